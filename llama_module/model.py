@@ -1,0 +1,183 @@
+"""Llama 3 / 3.1 decoder: GQA attention, RoPE with 3.1 frequency scaling, RMSNorm, SwiGLU.
+
+No parallelism lives here. The model can be built on the meta device and filled later by
+``init_weights``; blocks sit in a ``ModuleDict`` keyed by index so that parameter names stay the
+same when pipeline stages cut some of them out.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llama_module.args import LlamaConfig, RopeScaling
+
+__all__ = ["Llama", "ParamFiller", "fill_in_place", "rope_table"]
+
+Initializer = Callable[[Tensor], None]
+ParamFiller = Callable[[nn.Parameter, Initializer], None]
+"""How an initializer reaches a parameter: it is handed the *full* tensor to fill."""
+
+
+def fill_in_place(param: nn.Parameter, initializer: Initializer) -> None:
+    """The default ``ParamFiller``: the parameter is an ordinary, whole tensor."""
+    initializer(param.data)
+
+
+def _scaled_frequencies(freqs: Tensor, scaling: RopeScaling) -> Tensor:
+    # Llama 3.1: wavelengths longer than original_len / low_freq_factor are divided by `factor`,
+    # shorter than original_len / high_freq_factor are kept, and the band between is interpolated.
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / scaling.factor, interpolated)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+def rope_table(config: LlamaConfig, device: torch.device | None = None) -> Tensor:
+    """cos/sin of every (position, frequency): shape (max_seq_len, head_dim // 2, 2), fp32."""
+    exponents = torch.arange(0, config.head_dim, 2, device=device, dtype=torch.float32) / config.head_dim
+    freqs = 1.0 / (config.rope_theta**exponents)
+    if config.rope_scaling is not None:
+        freqs = _scaled_frequencies(freqs, config.rope_scaling)
+    angles = torch.outer(torch.arange(config.max_seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: Tensor, table: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (bs, seqlen, heads, head_dim), table: (seqlen, head_dim/2, 2).
+
+    Real-valued on purpose: inductor cannot fuse complex arithmetic.
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))  # (bs, seqlen, heads, head_dim/2, 2)
+    cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]  # (1, seqlen, 1, head_dim/2)
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.repeats = config.n_heads // config.n_kv_heads
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        bs, seqlen, _ = x.shape
+        # -1 instead of n_heads: under tensor parallelism each rank holds only its share of heads.
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_local_heads, head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_local_kv_heads, head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # Grouped-query attention: every kv head serves `repeats` consecutive query heads.
+        k = k.repeat_interleave(self.repeats, dim=2)  # (bs, seqlen, n_local_heads, head_dim)
+        v = v.repeat_interleave(self.repeats, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (bs, n_local_heads, seqlen, head_dim)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config.dim, config.ffn_dim)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Token ids (bs, seqlen) -> logits (bs, seqlen, vocab_size).
+
+    ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` (a pipeline stage without
+    them): then the input is the hidden state and the output the hidden state.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        # Not persistent: derived from the config, so it never enters a checkpoint.
+        self.register_buffer("rope", rope_table(config), persistent=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope[: h.shape[1]]
+        for block in self.layers.values():
+            h = block(h, rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None, fill: ParamFiller = fill_in_place) -> None:
+        """Fill every parameter and buffer; works after ``to_empty``.
+
+        Each parameter is drawn from its own generator seeded by (seed, parameter name), so the
+        values depend neither on the order of construction nor on how the model is later split,
+        sharded or placed. ``fill`` lets a caller hand each initializer a full-size tensor.
+        ``seed=None`` takes ``torch.initial_seed()``, which ``seed_everything`` sets.
+        """
+        base_seed = torch.initial_seed() if seed is None else seed
+        self.rope.copy_(rope_table(self.config, device=self.rope.device))
+        for name, param in self.named_parameters():
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed((base_seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            fill(param, self._initializer(name, generator))
+
+    def _initializer(self, name: str, generator: torch.Generator) -> Initializer:
+        config = self.config
+        if name.endswith("norm.weight"):
+            return nn.init.ones_
+        if name.startswith("tok_embeddings"):
+            return lambda t: nn.init.normal_(t, std=1.0, generator=generator)
+        if name.startswith("output"):
+            std = config.dim**-0.5
+            return lambda t: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=generator)
+        # Projections that write into the residual stream shrink with depth (GPT-2 style), so the
+        # stream's variance does not grow with the number of blocks.
+        layer_id = int(name.split(".")[1])
+        writes_residual = name.endswith(("wo.weight", "w2.weight", "w3.weight"))
+        std = 0.02 / math.sqrt(2 * (layer_id + 1)) if writes_residual else 0.02
+        return lambda t: nn.init.trunc_normal_(t, std=std, a=-2 * std, b=2 * std, generator=generator)

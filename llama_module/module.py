@@ -1,0 +1,112 @@
+"""LlamaModule: a standard LightningModule that pre-trains a Llama 3 with next-token cross-entropy."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from llama_module.args import LlamaConfig, get_flavor
+from llama_module.model import Llama
+from llama_module.plan import llama_plan
+from titan_strategy.plan import ParallelPlan
+
+__all__ = ["LlamaModule"]
+
+Batch = dict[str, Tensor]
+
+
+class LlamaModule(L.LightningModule):
+    """Llama 3 pre-training.
+
+    Args:
+        model: a flavor name (``debug``, ``1B``, ``3B``, ``8B``, ``70B``, ``405B``) or a ``LlamaConfig``.
+        vocab_size: overrides the flavor's vocabulary (``titan fit`` links it to the tokenizer's).
+        max_seq_len: overrides the flavor's RoPE table length.
+        lr: peak learning rate of AdamW.
+        betas: AdamW betas.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warm-up from 0 to ``lr``.
+        decay_steps: cosine decay after warm-up; None decays over the rest of the run (``max_steps``).
+        min_lr_ratio: the decay ends at ``min_lr_ratio * lr``.
+        fused_adamw: fused AdamW kernel; None uses it on CUDA.
+    """
+
+    def __init__(self, model: str | LlamaConfig = "debug", vocab_size: int | None = None,
+                 max_seq_len: int | None = None, lr: float = 8e-4, betas: tuple[float, float] = (0.9, 0.95),
+                 weight_decay: float = 0.1, warmup_steps: int = 200, decay_steps: int | None = None,
+                 min_lr_ratio: float = 0.1, fused_adamw: bool | None = None) -> None:
+        super().__init__()
+        config = get_flavor(model) if isinstance(model, str) else model
+        overrides = {k: v for k, v in {"vocab_size": vocab_size, "max_seq_len": max_seq_len}.items() if v is not None}
+        self.config = LlamaConfig(**{**asdict(config), **overrides, "rope_scaling": config.rope_scaling})
+        if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and min_lr_ratio={min_lr_ratio} in [0, 1].")
+        # Plain values only, so checkpoints load with torch.load(weights_only=True).
+        self.save_hyperparameters({"model": model if isinstance(model, str) else asdict(model),
+                                   "vocab_size": vocab_size, "max_seq_len": max_seq_len, "lr": lr, "betas": betas,
+                                   "weight_decay": weight_decay, "warmup_steps": warmup_steps,
+                                   "decay_steps": decay_steps, "min_lr_ratio": min_lr_ratio})
+        self.fused_adamw = fused_adamw
+        self.model: Llama | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = Llama(self.config)
+        if not any(p.is_meta for p in self.model.parameters()):
+            self.model.init_weights()  # a strategy that builds on the meta device initializes later
+
+    def parallel_plan(self) -> ParallelPlan:
+        """Lets TitanStrategy parallelize the Llama (see ``llama_module.plan``)."""
+        assert self.model is not None
+        return llama_plan(self.model)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        assert self.model is not None, "configure_model() builds the model"
+        return self.model(input_ids)
+
+    def compute_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Mean next-token cross-entropy over the batch's tokens (labels of -100 are ignored)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        fused = self.fused_adamw if self.fused_adamw is not None else self.device.type == "cuda"
+        optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, betas=tuple(hp.betas), eps=1e-8,
+                                      weight_decay=hp.weight_decay, fused=fused or None, foreach=None if fused else True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(hp.warmup_steps, self._decay_steps()))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _decay_steps(self) -> int:
+        if self.hparams.decay_steps is not None:
+            return self.hparams.decay_steps
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError("The run has no known length: set trainer.max_steps, or LlamaModule(decay_steps=...).")
+        return max(int(total) - self.hparams.warmup_steps, 1)
+
+    def _lr_factor(self, warmup: int, decay: int) -> Any:
+        min_ratio = self.hparams.min_lr_ratio
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min((step - warmup) / decay, 1.0)
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return factor

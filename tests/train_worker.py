@@ -1,0 +1,112 @@
+"""One training run under TitanStrategy, launched by the tests (torchrun or Lightning's launcher).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/train_worker.py SPEC.json OUT_DIR
+
+Every rank writes OUT_DIR/rank{N}.json with the logged ``train_loss`` (and ``grad_norm``) of each
+optimizer step, so tests can compare runs of different layouts with a single-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Dataset
+
+from llama_module import LlamaConfig, LlamaModule, TextDataModule
+from titan_strategy import TitanStrategy
+
+TINY = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128, max_seq_len=64)
+
+
+class AffineSequences(Dataset):
+    """Learnable, deterministic sequences: token[t+1] = (5 * token[t] + 3) mod vocab, random starts."""
+
+    def __init__(self, count: int, seq_len: int, vocab: int) -> None:
+        starts = torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(1234))
+        tokens = [starts]
+        for _ in range(seq_len):
+            tokens.append((5 * tokens[-1] + 3) % vocab)
+        self.tokens = torch.stack(tokens, dim=1)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        window = self.tokens[index]
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+class SelfShardedLlama(LlamaModule):
+    """A module in Lightning ModelParallelStrategy style: it applies FSDP2 itself in configure_model."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if self.model is not None:
+            return
+        super().configure_model()
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def parallel_plan(self) -> None:  # type: ignore[override]
+        raise AssertionError("a self-parallelizing module must not be asked for a plan")
+
+
+SelfShardedLlama.parallel_plan = None  # type: ignore[assignment]  # declares no plan
+
+
+class Recorder(Callback):
+    """Collects what Lightning logged at each optimizer step; saves a checkpoint when asked."""
+
+    def __init__(self, save_at: int | None, save_path: str | None) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.save_at = save_at
+        self.save_path = save_path
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        metrics = trainer.callback_metrics
+        record = {"step": trainer.global_step, "train_loss": float(metrics["train_loss"]),
+                  "local_loss": float(outputs["loss"])}
+        if "grad_norm" in metrics:
+            record["grad_norm"] = float(metrics["grad_norm"])
+        self.steps.append(record)
+        if self.save_at is not None and trainer.global_step == self.save_at and trainer.is_last_batch is False:
+            trainer.save_checkpoint(self.save_path)
+
+
+def main(spec: dict[str, Any], out_dir: Path) -> None:
+    L.seed_everything(spec.get("seed", 0), verbose=False)
+    strategy = TitanStrategy(**spec.get("strategy", {}), timeout_seconds=60)
+    recorder = Recorder(spec.get("save_at"), spec.get("save_path"))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=spec.get("devices", 1), strategy=strategy, precision=spec.get("precision", "32-true"),
+        max_steps=spec["steps"], accumulate_grad_batches=spec.get("accumulate", 1),
+        gradient_clip_val=spec.get("clip"), callbacks=[recorder], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        default_root_dir=str(out_dir),
+    )
+    module_cls = SelfShardedLlama if spec.get("self_sharded") else LlamaModule
+    model_args = dict(lr=spec.get("lr", 3e-3), warmup_steps=2, decay_steps=100)
+    if spec.get("data") == "text":
+        model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "vocab_size": 8448}), **model_args)
+        data = TextDataModule(source="offline", seq_len=32, batch_size=spec["batch_size"], val_batches=0)
+        trainer.fit(model, datamodule=data, ckpt_path=spec.get("resume_from"))
+    else:
+        model = module_cls(model=TINY, **model_args)
+        loader = DataLoader(AffineSequences(512, 32, TINY.vocab_size), batch_size=spec["batch_size"])
+        trainer.fit(model, train_dataloaders=loader, ckpt_path=spec.get("resume_from"))
+    result = {"steps": recorder.steps, "world_size": trainer.world_size}
+    (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))

@@ -1,0 +1,15 @@
+"""TitanStrategy: 4-D parallel LLM pre-training (FSDP2/HSDP, TP, CP, PP) as a Lightning Strategy.
+
+Importing this package registers the strategy name ``"titan"``: ``Trainer(strategy="titan")``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from titan_strategy.mesh import ParallelDims, TitanMesh
+from titan_strategy.plan import ParallelPlan
+from titan_strategy.strategy import PIPELINE_SCHEDULES, TitanStrategy
+
+__all__ = ["PIPELINE_SCHEDULES", "ParallelDims", "ParallelPlan", "TitanMesh", "TitanStrategy"]
+
+if TitanStrategy.strategy_name not in StrategyRegistry:
+    TitanStrategy.register_strategies(StrategyRegistry)

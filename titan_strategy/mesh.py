@@ -1,0 +1,150 @@
+"""Parallel degrees (validated before any process group or model exists) and the named DeviceMesh."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelDims", "TitanMesh", "build_mesh"]
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of the five parallel dimensions; their product is the world size."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+
+    def __post_init__(self) -> None:
+        for knob, value in self._knobs().items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{knob}={value!r} must be an integer >= 1 (only data_parallel_shard_size may be -1).")
+
+    @classmethod
+    def from_world_size(
+        cls, world_size: int, *, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int
+    ) -> ParallelDims:
+        """Resolve ``dp_shard=-1`` to what is left of the world, then check the product.
+
+        Raises:
+            ValueError: a degree is invalid, or the degrees do not multiply to ``world_size``.
+        """
+        fixed = {"data_parallel_replicate_size": dp_replicate, "context_parallel_size": cp,
+                 "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+        for knob, value in fixed.items():
+            if value == -1:
+                raise ValueError(f"{knob}=-1 is not allowed: only data_parallel_shard_size may be -1.")
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{knob}={value!r} must be an integer >= 1.")
+        others = math.prod(fixed.values())
+        if dp_shard == -1:
+            if world_size % others:
+                raise ValueError(
+                    f"The world size {world_size} is not divisible by {cls._product_text(fixed)} = {others}, so "
+                    "data_parallel_shard_size=-1 cannot fill the rest. Change the degrees or the number of devices."
+                )
+            dp_shard = world_size // others
+        dims = cls(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
+        if dims.world_size != world_size:
+            raise ValueError(
+                f"The parallel degrees multiply to {dims._product_text(dims._knobs())} = {dims.world_size}, but "
+                f"the world size is {world_size} (devices x nodes). Make them equal, or set "
+                "data_parallel_shard_size=-1 to use the remaining devices for FSDP."
+            )
+        return dims
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def batch_size(self) -> int:
+        """Number of ranks that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_replicate * self.dp_shard > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    def _knobs(self) -> dict[str, int]:
+        return {"pipeline_parallel_size": self.pp, "data_parallel_replicate_size": self.dp_replicate,
+                "data_parallel_shard_size": self.dp_shard, "context_parallel_size": self.cp,
+                "tensor_parallel_size": self.tp}
+
+    @staticmethod
+    def _product_text(knobs: dict[str, int]) -> str:
+        return " x ".join(f"{knob}={value}" for knob, value in knobs.items())
+
+
+class TitanMesh:
+    """The root 5-D DeviceMesh plus its flattened views, addressable by name.
+
+    ``mesh["batch"]`` returns the flattened mesh kept at build time rather than re-slicing it from
+    the root, which torch deprecates. Any other attribute is the root mesh's.
+    """
+
+    def __init__(self, root: DeviceMesh, views: dict[str, DeviceMesh]) -> None:
+        self.root = root
+        self.views = views
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(names, str) and names in self.views:
+            return self.views[names]
+        with warnings.catch_warnings():
+            # A tuple mixing original and flattened dims (HSDP's (dp_replicate, dp_shard_cp)) can only
+            # be sliced from the root; the deprecation does not apply to that form.
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return self.root[names]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.root, name)
+
+    def __repr__(self) -> str:
+        return f"TitanMesh({self.root!r}, views={sorted(self.views)})"
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> TitanMesh:
+    """Build the mesh over the already-initialized default process group.
+
+    Dimensions, outer to inner (inner dims map to ranks that are close, e.g. on one NVLink domain):
+        pp:            pipeline stages.
+        dp_replicate:  HSDP replicas; parameters are replicated across this dim.
+        dp_shard:      FSDP shards within one replica.
+        cp:            context parallel: the sequence is split across this dim.
+        tp:            tensor parallel: matmuls are split across this dim.
+    Flattened views:
+        batch:         dp_replicate x dp_shard, ranks that get different data (and the sampler's view).
+        dp_shard_cp:   dp_shard x cp, over which FSDP shards parameters (CP ranks hold disjoint tokens).
+        loss:          dp_replicate x dp_shard x cp, over which losses and metrics are averaged.
+        data_parallel / tensor_parallel: aliases of batch / tp, so modules written for Lightning's
+                       ModelParallelStrategy run unchanged.
+    """
+    sizes = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+    root = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+    views = {
+        "batch": root["dp_replicate", "dp_shard"]._flatten("batch"),
+        "dp_shard_cp": root["dp_shard", "cp"]._flatten("dp_shard_cp"),
+        "loss": root["dp_replicate", "dp_shard", "cp"]._flatten("loss"),
+        "data_parallel": root["dp_replicate", "dp_shard"]._flatten("data_parallel"),
+        "tensor_parallel": root["tp"]._flatten("tensor_parallel"),
+    }
+    views.update({name: root[name] for name in MESH_DIMS})
+    expected = {"batch": dims.batch_size, "dp_shard_cp": dims.dp_shard * dims.cp,
+                "loss": dims.batch_size * dims.cp, "tensor_parallel": dims.tp}
+    for name, size in expected.items():
+        if views[name].size() != size:
+            raise RuntimeError(f"Mesh view {name!r} has size {views[name].size()}, expected {size}.")
+    return TitanMesh(root, views)

@@ -1,0 +1,66 @@
+"""Trainer precision mapped onto FSDP2 mixed precision, and DTensor-aware gradient clipping."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from titan_strategy.grad_norm import clip_grad_norm_
+
+__all__ = ["TitanPrecision", "SUPPORTED_PRECISION"]
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
+
+
+class TitanPrecision(Precision):
+    """``"bf16-mixed"`` keeps fp32 master weights, computes in bf16 and reduces gradients in fp32.
+
+    For a module the strategy parallelizes, FSDP2's ``MixedPrecisionPolicy`` does the casting, so no
+    autocast runs. A module that parallelized itself gets autocast, as Lightning would give it.
+    """
+
+    def __init__(self, precision: Literal["32-true", "bf16-mixed"], device_type: str) -> None:
+        if precision not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"TitanStrategy does not support precision={precision!r}; use one of {SUPPORTED_PRECISION}."
+            )
+        self.precision = precision
+        self.device_type = device_type
+        self.use_autocast = False
+        self.on_grad_norm: Callable[[Tensor], None] | None = None
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.precision == "bf16-mixed" else None
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        return torch.float32 if self.precision == "bf16-mixed" else None
+
+    @contextmanager
+    @override
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.use_autocast and self.param_dtype is not None:
+            with torch.autocast(self.device_type, dtype=self.param_dtype):
+                yield
+        else:
+            with nullcontext():
+                yield
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        total_norm = clip_grad_norm_(params, max_norm=float(clip_val))
+        if self.on_grad_norm is not None:
+            self.on_grad_norm(total_norm)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,363 @@
+"""TitanStrategy: Lightning lifecycle glue. Meshes, parallelization and checkpoints live elsewhere."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.distributed.fsdp import FSDPModule
+from typing_extensions import override
+
+from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
+from titan_strategy.checkpoint import save_checkpoint as save_dcp_checkpoint
+from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
+from titan_strategy.parallelize import ParallelizeConfig, parallelize
+from titan_strategy.parallelize.fsdp import ReshardPolicy
+from titan_strategy.plan import PlannedModule
+from titan_strategy.precision import SUPPORTED_PRECISION, TitanPrecision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["TitanStrategy", "PIPELINE_SCHEDULES"]
+
+log = logging.getLogger(__name__)
+
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                      "DualPipeV")
+_RESHARD_POLICIES = ("default", "always", "never")
+
+
+class TitanStrategy(ParallelStrategy):
+    """Train a LightningModule under FSDP2/HSDP on a named 5-D DeviceMesh ``(pp, dp_replicate, dp_shard, cp, tp)``.
+
+    A module that declares a ``parallel_plan()`` is built on the meta device and parallelized by the
+    strategy; a module that parallelizes itself in ``configure_model`` (ModelParallelStrategy style)
+    is left alone. Both see the mesh as ``self.device_mesh``.
+
+    Args:
+        data_parallel_replicate_size: HSDP replicas (parameters replicated across them).
+        data_parallel_shard_size: FSDP shard degree; -1 takes what the other degrees leave of the world.
+        tensor_parallel_size: tensor-parallel degree (the mesh dim exists; the Llama plan arrives with TP).
+        context_parallel_size: context-parallel degree.
+        pipeline_parallel_size: pipeline stages.
+        pipeline_schedule: one of ``PIPELINE_SCHEDULES``.
+        pipeline_microbatches: microbatches per Lightning batch under PP (None: one per stage).
+        fsdp_reshard_after_forward: "default" (reshard all but the last unit), "always" or "never".
+        process_group_backend: "gloo", "nccl", ...; None picks by device.
+        timeout_seconds: process-group timeout; a collective that waits longer fails instead of hanging.
+    """
+
+    strategy_name = "titan"
+
+    def __init__(
+        self,
+        data_parallel_replicate_size: int = 1,
+        data_parallel_shard_size: int = -1,
+        tensor_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1F1B",
+        pipeline_microbatches: int | None = None,
+        fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default",
+        process_group_backend: str | None = None,
+        timeout_seconds: float = 1800.0,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+    ) -> None:
+        super().__init__(cluster_environment=cluster_environment, checkpoint_io=checkpoint_io)
+        _check_knobs(pipeline_schedule, pipeline_microbatches, fsdp_reshard_after_forward, timeout_seconds)
+        self._degrees = {"dp_replicate": data_parallel_replicate_size, "dp_shard": data_parallel_shard_size,
+                         "cp": context_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
+        self.pipeline_schedule = pipeline_schedule
+        self.pipeline_microbatches = pipeline_microbatches
+        self.fsdp_reshard_after_forward: ReshardPolicy = fsdp_reshard_after_forward
+        self._process_group_backend = process_group_backend
+        self._timeout = timedelta(seconds=timeout_seconds)
+        self._dims: ParallelDims | None = None
+        self._mesh: TitanMesh | None = None
+        self.num_nodes = 1
+
+    # ---- degrees, mesh and processes -------------------------------------------------------------
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The validated degrees; resolving them needs the world size, known once devices are set."""
+        if self._dims is None:
+            self._dims = ParallelDims.from_world_size(self.num_nodes * self.num_processes, **self._degrees)
+        return self._dims
+
+    @property
+    def device_mesh(self) -> TitanMesh:
+        if self._mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have been set up.")
+        return self._mesh
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        # Without this Lightning skips sync_dist reductions and sampler injection for custom strategies.
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        batch = self.device_mesh["batch"]
+        return {"num_replicas": batch.size(), "rank": batch.get_local_rank()}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self.parallel_dims  # noqa: B018 -- bad degrees fail here, before any process is launched
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        self._mesh = build_mesh(self.parallel_dims, self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ---- precision --------------------------------------------------------------------------------
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else TitanPrecision("32-true", "cpu")
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = _to_titan_precision(precision_plugin)
+
+    # ---- model set-up -----------------------------------------------------------------------------
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Always meta: configure_model must never allocate the full model on any rank.
+        with torch.device("meta"):
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        precision = self.precision_plugin
+        assert isinstance(precision, TitanPrecision)
+        if isinstance(module, PlannedModule):
+            self._check_supported_degrees()
+            config = ParallelizeConfig(precision.param_dtype, precision.reduce_dtype, self.fsdp_reshard_after_forward)
+            parallelize(module.parallel_plan(), self.device_mesh, self.parallel_dims, config, self.root_device)
+        else:
+            # A module that parallelized itself keeps Lightning's semantics: reset_parameters() and autocast.
+            precision.use_autocast = True
+            _materialize_distributed_module(self.model, self.root_device)
+        precision.on_grad_norm = self._log_grad_norm
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _check_supported_degrees(self) -> None:
+        dims = self.parallel_dims
+        for knob, degree, issue in (("tensor_parallel_size", dims.tp, 3), ("pipeline_parallel_size", dims.pp, 4),
+                                    ("context_parallel_size", dims.cp, 5)):
+            if degree > 1:
+                raise NotImplementedError(
+                    f"{knob}={degree} is not applied to a module with a parallel_plan() yet (tracked in issue #{issue}); "
+                    f"set {knob}=1, or parallelize that dimension yourself in configure_model via self.device_mesh."
+                )
+
+    def _log_grad_norm(self, norm: Tensor) -> None:
+        self.lightning_module.log("grad_norm", norm, on_step=True, prog_bar=True)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip FSDP2's gradient reduce-scatter on all but the last micro-batch of an accumulation window."""
+        fsdp_modules = [m for m in self.lightning_module.modules() if isinstance(m, FSDPModule)]
+        for fsdp_module in fsdp_modules:
+            fsdp_module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for fsdp_module in fsdp_modules:
+                fsdp_module.set_requires_gradient_sync(True, recurse=False)
+
+    # ---- collectives ------------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
+               reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
+        """Reduce over the ``loss`` mesh by default: every rank that holds a distinct share of the batch.
+
+        Reducing over the whole world would count a sample once per TP/PP rank.
+        """
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None and self._mesh is not None:
+            group = self._mesh["loss"].get_group()
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint, straight into the sharded parameters
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("TitanStrategy.save_checkpoint does not take storage_options: it writes DCP directly.")
+        batch = self.device_mesh["batch"]
+        save_dcp_checkpoint(checkpoint, Path(self.broadcast(str(filepath))), batch_rank=batch.get_local_rank(),
+                            batch_world_size=batch.size(), is_global_zero=self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        batch = self.device_mesh["batch"]
+        return load_dcp_checkpoint(
+            Path(self.broadcast(str(checkpoint_path))), self.lightning_module, self.optimizers,
+            batch_rank=batch.get_local_rank(), batch_world_size=batch.size(),
+            strict=self.lightning_module.strict_loading, weights_only=weights_only,
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    @override
+    def teardown(self) -> None:
+        # Not Strategy.teardown: moving a sharded model to the CPU is wasted work, but every plugin
+        # (checkpoint IO included, so pending saves flush) is torn down.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="4-D parallelism (FSDP2/HSDP, TP, CP, PP)")
+
+
+def _check_knobs(schedule: str, microbatches: int | None, reshard: str, timeout_seconds: float) -> None:
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline_schedule={schedule!r} is unknown; choose one of {list(PIPELINE_SCHEDULES)}.")
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        raise ValueError(f"pipeline_microbatches={microbatches!r} must be a positive integer or None.")
+    if reshard not in _RESHARD_POLICIES:
+        raise ValueError(f"fsdp_reshard_after_forward={reshard!r} must be one of {list(_RESHARD_POLICIES)}.")
+    if timeout_seconds <= 0:
+        raise ValueError(f"timeout_seconds={timeout_seconds!r} must be > 0.")
+
+
+def _to_titan_precision(plugin: Precision | None) -> TitanPrecision | None:
+    """Map the precision plugin Lightning picked from ``Trainer(precision=...)`` onto ours."""
+    if plugin is None or isinstance(plugin, TitanPrecision):
+        return plugin
+    if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
+        return TitanPrecision("bf16-mixed", plugin.device)
+    if type(plugin) is Precision:
+        return TitanPrecision("32-true", "cpu")
+    raise ValueError(
+        f"TitanStrategy does not support precision={getattr(plugin, 'precision', type(plugin).__name__)!r}; "
+        f"use Trainer(precision=...) with one of {SUPPORTED_PRECISION}."
+    )
