@@ -65,11 +65,32 @@ def apply_rope(x: Tensor, table: Tensor) -> Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+class RotaryTable(nn.Module):
+    """Holds the RoPE cos/sin table as a non-persistent buffer: derived from the config, never checkpointed."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("table", rope_table(config), persistent=False)
+
+    def forward(self, seqlen: int) -> Tensor:
+        if seqlen > self.config.max_seq_len:
+            raise ValueError(f"Sequence length {seqlen} exceeds max_seq_len={self.config.max_seq_len}; raise "
+                             "LlamaModule(max_seq_len=...) or shorten the data's seq_len.")
+        return self.table[:seqlen]
+
+    def reset_parameters(self) -> None:
+        self.table.copy_(rope_table(self.config, device=self.table.device))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
@@ -139,12 +160,11 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
-        # Not persistent: derived from the config, so it never enters a checkpoint.
-        self.register_buffer("rope", rope_table(config), persistent=False)
+        self.rope = RotaryTable(config)
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope[: h.shape[1]]
+        rope = self.rope(h.shape[1])
         for block in self.layers.values():
             h = block(h, rope)
         h = self.norm(h) if self.norm is not None else h
@@ -160,7 +180,7 @@ class Llama(nn.Module):
         ``seed=None`` takes ``torch.initial_seed()``, which ``seed_everything`` sets.
         """
         base_seed = torch.initial_seed() if seed is None else seed
-        self.rope.copy_(rope_table(self.config, device=self.rope.device))
+        self.rope.reset_parameters()
         for name, param in self.named_parameters():
             generator = torch.Generator(device=param.device)
             generator.manual_seed((base_seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)

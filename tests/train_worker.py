@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
 from llama_module import LlamaConfig, LlamaModule, TextDataModule
@@ -74,9 +75,9 @@ class Recorder(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         metrics = trainer.callback_metrics
-        record = {"step": trainer.global_step, "train_loss": float(metrics["train_loss"]),
-                  "local_loss": float(outputs["loss"])}
-        if "grad_norm" in metrics:
+        record = {"step": trainer.global_step, "train_loss": float(metrics["train_loss"])}
+        stepped = not self.steps or self.steps[-1]["step"] != trainer.global_step
+        if stepped and "grad_norm" in metrics:  # logged by the optimizer step this batch completed
             record["grad_norm"] = float(metrics["grad_norm"])
         self.steps.append(record)
         if self.save_at is not None and trainer.global_step == self.save_at and trainer.is_last_batch is False:
@@ -85,7 +86,10 @@ class Recorder(Callback):
 
 def main(spec: dict[str, Any], out_dir: Path) -> None:
     L.seed_everything(spec.get("seed", 0), verbose=False)
-    strategy = TitanStrategy(**spec.get("strategy", {}), timeout_seconds=60)
+    if spec.get("lightning_model_parallel"):
+        strategy = ModelParallelStrategy(data_parallel_size=spec["devices"], tensor_parallel_size=1)
+    else:
+        strategy = TitanStrategy(**spec.get("strategy", {}), timeout_seconds=60)
     recorder = Recorder(spec.get("save_at"), spec.get("save_path"))
     trainer = L.Trainer(
         accelerator="cpu", devices=spec.get("devices", 1), strategy=strategy, precision=spec.get("precision", "32-true"),

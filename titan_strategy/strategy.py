@@ -17,7 +17,6 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -33,6 +32,7 @@ from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
 from titan_strategy.checkpoint import save_checkpoint as save_dcp_checkpoint
 from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
 from titan_strategy.parallelize import ParallelizeConfig, parallelize
+from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
 from titan_strategy.parallelize.fsdp import ReshardPolicy
 from titan_strategy.plan import PlannedModule
 from titan_strategy.precision import SUPPORTED_PRECISION, TitanPrecision
@@ -206,7 +206,7 @@ class TitanStrategy(ParallelStrategy):
         else:
             # A module that parallelized itself keeps Lightning's semantics: reset_parameters() and autocast.
             precision.use_autocast = True
-            _materialize_distributed_module(self.model, self.root_device)
+            materialize_with_reset_parameters(self.model, self.root_device)
         precision.on_grad_norm = self._log_grad_norm
         self.model_to_device()
         self.barrier()

@@ -1,0 +1,62 @@
+"""Shared test settings: a quiet, offline, single-threaded environment and a bounded multi-process launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures"
+WORKER = Path(__file__).with_name("train_worker.py")
+LAUNCH_TIMEOUT_S = 240  # a hung collective fails the test instead of stalling CI
+
+
+def _test_environment(hf_home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               HF_HOME=str(hf_home), PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(hf_home.parent / "inductor-cache"))
+    return env
+
+
+@pytest.fixture(scope="session")
+def test_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return _test_environment(tmp_path_factory.mktemp("hf_home"))
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.getbasetemp() / "hf_home_inproc"))
+
+
+def run_command(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-6000:]}")
+    return result
+
+
+def launch(nproc: int, spec: dict[str, Any], out_dir: Path, env: dict[str, str]) -> list[dict[str, Any]]:
+    """Run tests/train_worker.py under torchrun with ``nproc`` processes; return each rank's record."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec_file = out_dir / "spec.json"
+    spec_file.write_text(json.dumps({"devices": nproc, **spec}))
+    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                 str(WORKER), str(spec_file), str(out_dir)], env, out_dir)
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(nproc)]
+
+
+@pytest.fixture()
+def fixtures_dir() -> Path:
+    if not FIXTURES.is_dir():
+        pytest.skip(f"shared fixtures not found at {FIXTURES}")
+    return FIXTURES

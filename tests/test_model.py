@@ -1,0 +1,144 @@
+"""The Llama against an independent implementation (HF transformers), and its meta-device init."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from llama_module import Llama, LlamaConfig, RopeScaling
+from llama_module.args import FLAVORS, get_flavor
+
+CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, ffn_dim=96, max_seq_len=64,
+                     rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_seq_len=16))
+
+
+def _hf_llama(config: LlamaConfig) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    scaling = config.rope_scaling
+    rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_seq_len}
+    hf_config = transformers.LlamaConfig(
+        hidden_size=config.dim, intermediate_size=config.ffn_dim, num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads, vocab_size=config.vocab_size,
+        rms_norm_eps=config.norm_eps, max_position_embeddings=config.max_seq_len, tie_word_embeddings=False,
+        rope_parameters=rope, rope_scaling=rope, rope_theta=config.rope_theta, attn_implementation="eager",
+    )
+    return transformers.LlamaForCausalLM(hf_config).eval()
+
+
+def _to_hf_layout(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # Ours rotates interleaved pairs (2i, 2i+1); HF rotates (i, i + head_dim/2): reorder q/k rows per head.
+    out_features, dim = weight.shape
+    return weight.view(n_heads, out_features // n_heads // 2, 2, dim).transpose(1, 2).reshape(out_features, dim)
+
+
+def _copy_weights(ours: Llama, hf: torch.nn.Module) -> None:
+    c = ours.config
+    sd = ours.state_dict()
+    hf_sd = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"],
+             "lm_head.weight": sd["output.weight"]}
+    for i in range(c.n_layers):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        hf_sd |= {
+            q + "self_attn.q_proj.weight": _to_hf_layout(sd[p + "attention.wq.weight"], c.n_heads),
+            q + "self_attn.k_proj.weight": _to_hf_layout(sd[p + "attention.wk.weight"], c.n_kv_heads),
+            q + "self_attn.v_proj.weight": sd[p + "attention.wv.weight"],
+            q + "self_attn.o_proj.weight": sd[p + "attention.wo.weight"],
+            q + "mlp.gate_proj.weight": sd[p + "feed_forward.w1.weight"],
+            q + "mlp.up_proj.weight": sd[p + "feed_forward.w3.weight"],
+            q + "mlp.down_proj.weight": sd[p + "feed_forward.w2.weight"],
+            q + "input_layernorm.weight": sd[p + "attention_norm.weight"],
+            q + "post_attention_layernorm.weight": sd[p + "ffn_norm.weight"],
+        }
+    missing, unexpected = hf.load_state_dict(hf_sd, strict=False)
+    assert not unexpected and all("rotary" in key for key in missing), (missing, unexpected)
+
+
+def _sharp_llama(config: LlamaConfig) -> Llama:
+    """Weights that make every part matter: peaked attention (so RoPE shows) and non-unit norms."""
+    torch.manual_seed(0)
+    model = Llama(config)
+    model.init_weights(seed=3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(("wq.weight", "wk.weight")):
+                param.normal_(std=0.4)
+    return model
+
+
+def test_logits_match_hf_transformers_llama() -> None:
+    ours = _sharp_llama(CONFIG)
+    hf = _hf_llama(CONFIG)
+    _copy_weights(ours, hf)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_scaling_changes_the_output() -> None:
+    # Guards the test above: without 3.1 scaling the two models must disagree.
+    ours = _sharp_llama(dataclasses.replace(CONFIG, rope_scaling=None))
+    hf = _hf_llama(CONFIG)
+    _copy_weights(ours, hf)
+    tokens = torch.randint(0, CONFIG.vocab_size, (1, 48))
+    with torch.no_grad():
+        assert not torch.allclose(ours(tokens), hf(tokens).logits, atol=1e-3)
+
+
+def test_meta_init_equals_direct_init_and_ignores_construction_order() -> None:
+    direct = Llama(CONFIG)
+    direct.init_weights(seed=7)
+    with torch.device("meta"):
+        meta = Llama(CONFIG)
+    meta.to_empty(device="cpu")
+    torch.manual_seed(12345)  # global RNG state must not matter
+    meta.init_weights(seed=7)
+    for (name, a), b in zip(direct.state_dict().items(), meta.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(direct.rope.table, meta.rope.table)
+
+
+def test_parameter_names_are_stable_and_rope_is_not_checkpointed() -> None:
+    keys = list(Llama(CONFIG).state_dict())
+    assert "layers.1.attention.wq.weight" in keys and "output.weight" in keys
+    assert not any("rope" in key for key in keys)
+
+
+@pytest.mark.parametrize(("name", "billions"), [("1B", 1.5), ("3B", 3.6), ("8B", 8.0), ("70B", 70.6), ("405B", 405.9)])
+def test_flavor_sizes_match_llama3(name: str, billions: float) -> None:
+    # 1B/3B are larger than Llama 3.2's published counts because their output layer is untied here.
+    assert get_flavor(name).num_params() / 1e9 == pytest.approx(billions, rel=0.02)
+
+
+def test_unknown_flavor_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="Unknown Llama flavor '7B'.*405B"):
+        get_flavor("7B")
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"n_heads": 5}, "dim=64 must be divisible by n_heads=5"),
+    ({"n_kv_heads": 3}, "n_heads=4 must be divisible by n_kv_heads=3"),
+    ({"n_layers": 0}, "n_layers=0 must be >= 1"),
+])
+def test_config_rejects_inconsistent_shapes(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(CONFIG, **changes)
+
+
+def test_sequence_longer_than_rope_table_is_refused() -> None:
+    model = Llama(CONFIG)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_every_flavor_builds_on_meta() -> None:
+    for config in FLAVORS.values():
+        with torch.device("meta"):
+            model = Llama(config)
+        assert sum(p.numel() for p in model.parameters()) == config.num_params()
