@@ -51,15 +51,19 @@ def save_checkpoint(checkpoint: dict[str, Any], path: Path, *, batch_rank: int, 
     Every rank calls this. The dataloader position is per rank: each batch rank stores its own
     under its own key (ranks of one replica hold identical positions; DCP writes one copy).
     """
-    if is_global_zero and path.is_file():
-        path.unlink()
+    if is_global_zero:
+        if path.is_file():
+            path.unlink()
+        # Overwriting (e.g. last.ckpt): drop the completion marker first, so a save that dies midway
+        # leaves a directory that no loader takes for complete.
+        (path / LIGHTNING_STATE_FILE).unlink(missing_ok=True)
     state: dict[str, Any] = {"model": checkpoint.pop("state_dict")}
     for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{index}"] = optimizer_state
     loop_state = _loader_state_slot(checkpoint)
     if loop_state is not None and "combined_loader" in loop_state:
         state[_dataloader_key(batch_rank)] = _to_bytes(loop_state.pop("combined_loader"))
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
     if is_global_zero:
         # Written after every shard, so its presence means DCP finished on all ranks.
         checkpoint[_DATA_WORLD_KEY] = batch_world_size

@@ -1,0 +1,29 @@
+"""`titan fit --config configs/debug.yaml` end to end, through Lightning's own process launcher."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import REPO, run_command
+
+
+def test_debug_config_trains_validates_and_checkpoints(tmp_path: Path, test_env: dict[str, str]) -> None:
+    titan = shutil.which("titan") or str(Path(sys.executable).with_name("titan"))
+    run_command([titan, "fit", "--config", str(REPO / "configs" / "debug.yaml"), "--trainer.max_steps=6",
+                 "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
+                 f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+                 f"--trainer.logger.save_dir={tmp_path}", "--trainer.enable_progress_bar=false"],
+                test_env, tmp_path)
+    [run_dir] = (tmp_path / "lightning_logs").iterdir()
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert any(row.get("train_loss") for row in rows) and any(row.get("val_loss") for row in rows)
+    hparams = yaml.safe_load((run_dir / "hparams.yaml").read_text())
+    assert hparams["vocab_size"] == 8448  # linked from the tokenizer
+    checkpoints = sorted((run_dir / "checkpoints").iterdir())
+    assert checkpoints and all((c / "lightning_state.pt").is_file() for c in checkpoints)
+    assert "last.ckpt" in {c.name for c in checkpoints}

@@ -1,0 +1,67 @@
+"""TitanStrategy's construction-time behaviour: bad input fails before any process or file exists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from titan_strategy import PIPELINE_SCHEDULES, TitanStrategy
+from titan_strategy.precision import TitanPrecision
+
+
+def _trainer(tmp_path: Path, strategy: TitanStrategy | str, devices: int = 2, **kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, default_root_dir=str(tmp_path), **kwargs)
+
+
+@pytest.mark.parametrize(("strategy", "devices", "message"), [
+    (TitanStrategy(tensor_parallel_size=3), 2, r"world size 2 is not divisible by .*tensor_parallel_size=3"),
+    (TitanStrategy(data_parallel_shard_size=2, tensor_parallel_size=2), 2, r"multiply to .* = 4, but the world size is 2"),
+    (TitanStrategy(data_parallel_replicate_size=3), 4, r"world size 4 is not divisible"),
+])
+def test_bad_layout_fails_in_trainer_init_without_launching_or_writing(strategy: TitanStrategy, devices: int,
+                                                                        message: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=message):
+        _trainer(tmp_path, strategy, devices=devices)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"pipeline_schedule": "Zigzag"}, r"pipeline_schedule='Zigzag' is unknown; choose one of \['GPipe', '1F1B'"),
+    ({"pipeline_microbatches": 0}, r"pipeline_microbatches=0 must be a positive integer"),
+    ({"fsdp_reshard_after_forward": "sometimes"}, r"fsdp_reshard_after_forward='sometimes' must be one of"),
+    ({"timeout_seconds": 0}, r"timeout_seconds=0 must be > 0"),
+])
+def test_bad_knobs_fail_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TitanStrategy(**kwargs)
+
+
+def test_every_documented_schedule_is_accepted() -> None:
+    for schedule in PIPELINE_SCHEDULES:
+        assert TitanStrategy(pipeline_schedule=schedule).pipeline_schedule == schedule
+
+
+@pytest.mark.parametrize(("precision", "expected"), [("32-true", None), ("bf16-mixed", "bfloat16")])
+def test_trainer_precision_maps_to_fsdp_mixed_precision(precision: str, expected: str | None, tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, TitanStrategy(), precision=precision)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, TitanPrecision)
+    assert (str(plugin.param_dtype).removeprefix("torch.") if plugin.param_dtype else None) == expected
+    assert plugin.reduce_dtype is None or str(plugin.reduce_dtype) == "torch.float32"
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+def test_unsupported_precision_is_refused_with_the_alternatives(precision: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=rf"does not support precision='{precision}'.*'32-true', 'bf16-mixed'"):
+        _trainer(tmp_path, TitanStrategy(), precision=precision)
+
+
+def test_registered_name_gives_the_contract_defaults(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, "titan", devices=4)
+    strategy = trainer.strategy
+    assert isinstance(strategy, TitanStrategy)
+    dims = strategy.parallel_dims
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp) == (1, 4, 1, 1, 1)
+    assert strategy.pipeline_schedule == "1F1B" and strategy.is_distributed
