@@ -49,7 +49,7 @@ class LlamaModule(L.LightningModule):
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and min_lr_ratio={min_lr_ratio} in [0, 1].")
         # Plain values only, so checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters({"model": model if isinstance(model, str) else asdict(model),
-                                   "vocab_size": vocab_size, "max_seq_len": max_seq_len, "lr": lr, "betas": betas,
+                                   "vocab_size": vocab_size, "max_seq_len": max_seq_len, "lr": lr, "betas": list(betas),
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "decay_steps": decay_steps, "min_lr_ratio": min_lr_ratio})
         self.fused_adamw = fused_adamw
