@@ -20,7 +20,8 @@ LAUNCH_TIMEOUT_S = 240  # a hung collective fails the test instead of stalling C
 def _test_environment(hf_home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               HF_HOME=str(hf_home), PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+               HF_HOME=str(hf_home), PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(hf_home.parent / "inductor-cache"))
     return env
 

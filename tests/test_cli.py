@@ -7,14 +7,16 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import REPO, run_command
 
 
 def test_debug_config_trains_validates_and_checkpoints(tmp_path: Path, test_env: dict[str, str]) -> None:
-    titan = shutil.which("titan") or str(Path(sys.executable).with_name("titan"))
-    run_command([titan, "fit", "--config", str(REPO / "configs" / "debug.yaml"), "--trainer.max_steps=6",
+    # The installed console script; from a plain checkout (no pip install), the same entry point.
+    titan = shutil.which("titan")
+    run_command([*([titan] if titan else [sys.executable, "-m", "llama_module.cli"]), "fit", "--config", str(REPO / "configs" / "debug.yaml"), "--trainer.max_steps=6",
                  "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
                  f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
                  f"--trainer.logger.save_dir={tmp_path}", "--trainer.enable_progress_bar=false"],
@@ -27,3 +29,15 @@ def test_debug_config_trains_validates_and_checkpoints(tmp_path: Path, test_env:
     checkpoints = sorted((run_dir / "checkpoints").iterdir())
     assert checkpoints and all((c / "lightning_state.pt").is_file() for c in checkpoints)
     assert "last.ckpt" in {c.name for c in checkpoints}
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_parses(config: Path, capsys: pytest.CaptureFixture) -> None:
+    from llama_module.cli import TitanCLI
+    from llama_module.data import TextDataModule
+    from llama_module.module import LlamaModule
+
+    with pytest.raises(SystemExit) as exit_info:
+        TitanCLI(LlamaModule, TextDataModule, args=["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code == 0
+    assert "titan_strategy.TitanStrategy" in capsys.readouterr().out

@@ -92,7 +92,7 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
         strategy = TitanStrategy(**spec.get("strategy", {}), timeout_seconds=60)
     recorder = Recorder(spec.get("save_at"), spec.get("save_path"))
     trainer = L.Trainer(
-        accelerator="cpu", devices=spec.get("devices", 1), strategy=strategy, precision=spec.get("precision", "32-true"),
+        accelerator=spec.get("accelerator", "cpu"), devices=spec.get("devices", 1), strategy=strategy, precision=spec.get("precision", "32-true"),
         max_steps=spec["steps"], accumulate_grad_batches=spec.get("accumulate", 1),
         gradient_clip_val=spec.get("clip"), callbacks=[recorder], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
