@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+import dataclasses
 from typing import Any
 
 import lightning as L
@@ -44,11 +44,11 @@ class LlamaModule(L.LightningModule):
         super().__init__()
         config = get_flavor(model) if isinstance(model, str) else model
         overrides = {k: v for k, v in {"vocab_size": vocab_size, "max_seq_len": max_seq_len}.items() if v is not None}
-        self.config = LlamaConfig(**{**asdict(config), **overrides, "rope_scaling": config.rope_scaling})
+        self.config = dataclasses.replace(config, **overrides)
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and min_lr_ratio={min_lr_ratio} in [0, 1].")
         # Plain values only, so checkpoints load with torch.load(weights_only=True).
-        self.save_hyperparameters({"model": model if isinstance(model, str) else asdict(model),
+        self.save_hyperparameters({"model": model if isinstance(model, str) else dataclasses.asdict(model),
                                    "vocab_size": vocab_size, "max_seq_len": max_seq_len, "lr": lr, "betas": list(betas),
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "decay_steps": decay_steps, "min_lr_ratio": min_lr_ratio})

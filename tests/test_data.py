@@ -121,3 +121,14 @@ def test_bad_sources_are_explained(source: str, error: type, message: str, tmp_p
     (tmp_path / "mixed" / "b.parquet").write_text("")
     with pytest.raises(error, match=message):
         load_documents(source.format(tmp=tmp_path), "train")
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "txt"])
+def test_parquet_and_text_files_load(suffix: str, tmp_path: Path) -> None:
+    texts = [f"line {i} of a local corpus file" for i in range(20)]
+    if suffix == "parquet":
+        datasets.Dataset.from_dict({"text": texts}).to_parquet(str(tmp_path / "corpus.parquet"))
+    else:
+        (tmp_path / "corpus.txt").write_text("\n".join(texts) + "\n")
+    documents = list(load_documents(str(tmp_path / f"*.{suffix}"), "train"))
+    assert [d["text"] for d in documents] == texts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -47,12 +47,9 @@ class TitanPrecision(Precision):
     @contextmanager
     @override
     def forward_context(self) -> Generator[None, None, None]:
-        if self.use_autocast and self.param_dtype is not None:
-            with torch.autocast(self.device_type, dtype=self.param_dtype):
-                yield
-        else:
-            with nullcontext():
-                yield
+        autocast = self.use_autocast and self.param_dtype is not None
+        with torch.autocast(self.device_type, dtype=self.param_dtype) if autocast else nullcontext():
+            yield
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -60,7 +57,3 @@ class TitanPrecision(Precision):
         total_norm = clip_grad_norm_(params, max_norm=float(clip_val))
         if self.on_grad_norm is not None:
             self.on_grad_norm(total_norm)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {}

@@ -176,7 +176,9 @@ class TitanStrategy(ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else TitanPrecision("32-true", "cpu")
+        if self._precision_plugin is None:
+            self._precision_plugin = TitanPrecision("32-true", "cpu")
+        return self._precision_plugin
 
     @precision_plugin.setter
     @override

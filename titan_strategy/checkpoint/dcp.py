@@ -10,6 +10,7 @@ mesh layout.
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,10 @@ def save_checkpoint(checkpoint: dict[str, Any], path: Path, *, batch_rank: int, 
     loop_state = _loader_state_slot(checkpoint)
     if loop_state is not None and "combined_loader" in loop_state:
         state[_dataloader_key(batch_rank)] = _to_bytes(loop_state.pop("combined_loader"))
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
+    with warnings.catch_warnings():
+        # Overwriting last.ckpt is intended; its completion marker was removed above.
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
     if is_global_zero:
         # Written after every shard, so its presence means DCP finished on all ranks.
         checkpoint[_DATA_WORLD_KEY] = batch_world_size
