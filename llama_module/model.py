@@ -73,11 +73,8 @@ class RotaryTable(nn.Module):
         self.config = config
         self.register_buffer("table", rope_table(config), persistent=False)
 
-    def forward(self, seqlen: int) -> Tensor:
-        if seqlen > self.config.max_seq_len:
-            raise ValueError(f"Sequence length {seqlen} exceeds max_seq_len={self.config.max_seq_len}; raise "
-                             "LlamaModule(max_seq_len=...) or shorten the data's seq_len.")
-        return self.table[:seqlen]
+    def forward(self) -> Tensor:
+        return self.table
 
     def reset_parameters(self) -> None:
         self.table.copy_(rope_table(self.config, device=self.table.device))
@@ -107,7 +104,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        # x may be a tensor-parallel DTensor; its shape is then the global one, which RoPE needs.
         bs, seqlen, _ = x.shape
+        if seqlen > rope.shape[0]:
+            raise ValueError(f"Sequence length {seqlen} exceeds max_seq_len={rope.shape[0]}; raise "
+                             "LlamaModule(max_seq_len=...) or shorten the data's seq_len.")
+        rope = rope[:seqlen]
         # -1 instead of n_heads: under tensor parallelism each rank holds only its share of heads.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_local_heads, head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_local_kv_heads, head_dim)
@@ -164,7 +166,7 @@ class Llama(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope(h.shape[1])
+        rope = self.rope()
         for block in self.layers.values():
             h = block(h, rope)
         h = self.norm(h) if self.norm is not None else h

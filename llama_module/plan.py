@@ -1,12 +1,59 @@
-"""Llama's parallel plan: what TitanStrategy may shard, and in which units."""
+"""Llama's parallel plan: what TitanStrategy may shard, and how."""
 
 from __future__ import annotations
 
-from titan_strategy.plan import ParallelPlan
+from typing import Any
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from llama_module.model import Llama
+from titan_strategy.plan import ParallelPlan, TensorParallelPlan
 
-__all__ = ["llama_plan"]
+__all__ = ["llama_plan", "llama_tp_styles"]
+
+
+def llama_tp_styles(sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """Megatron-style TP: q/k/v and w1/w3 split by output column, wo and w2 by input row.
+
+    Between blocks the residual stream is replicated, or, with sequence parallelism, sharded on the
+    sequence dim (dim 1) so that norms and residual adds run on 1/tp of the tokens; attention and
+    feed-forward all-gather it on entry and reduce-scatter on exit.
+    """
+    residual = Shard(1) if sequence_parallel else Replicate()
+    styles: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=residual),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=residual),
+    }
+    if sequence_parallel:
+        styles |= {
+            "norm": SequenceParallel(),
+            "layers.*.attention_norm": SequenceParallel(),
+            "layers.*.ffn_norm": SequenceParallel(),
+            # The RoPE table (second input) is the same on every rank and stays a plain tensor.
+            "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                     desired_input_layouts=(Replicate(), None)),
+            "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        }
+    return styles
+
+
+def _sequence_length(batch: Any) -> int:
+    return batch["input_ids"].shape[1]
 
 
 def llama_plan(model: Llama) -> ParallelPlan:
@@ -18,8 +65,17 @@ def llama_plan(model: Llama) -> ParallelPlan:
     units: list[tuple[str, ...]] = []
     if model.tok_embeddings is not None:
         units.append(("tok_embeddings",))
-    units.extend((f"layers.{name}",) for name in model.layers)
+    blocks = tuple(f"layers.{name}" for name in model.layers)
+    units.extend((block,) for block in blocks)
     head = tuple(name for name in ("norm", "output") if getattr(model, name) is not None)
     if head:
         units.append(head)
-    return ParallelPlan(model=model, fsdp_units=tuple(units), init_weights=model.init_weights)
+    config = model.config
+    tensor_parallel = TensorParallelPlan(
+        styles=llama_tp_styles,
+        split_sizes={"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads, "ffn_dim": config.ffn_dim},
+        vocab_size=config.vocab_size,
+        sequence_length=_sequence_length,
+    )
+    return ParallelPlan(model=model, fsdp_units=tuple(units), init_weights=model.init_weights, blocks=blocks,
+                        tensor_parallel=tensor_parallel)

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 from llama_module import LlamaConfig, LlamaModule, TextDataModule
 from titan_strategy import TitanStrategy
 
-TINY = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128, max_seq_len=64)
+# 8 query and 4 kv heads: grouped-query attention that still splits 4 ways under tensor parallelism.
+TINY = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=128, max_seq_len=64)
 
 
 class AffineSequences(Dataset):

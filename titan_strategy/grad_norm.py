@@ -20,16 +20,18 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
     mesh's share is reduced to a plain tensor (``full_tensor`` sums the partial norms across the
     mesh) before the shares are combined, so every rank sees the norm of the whole model.
     """
-    params = [p for p in parameters if p.grad is not None]
-    grads_by_mesh: dict[object, list[Tensor]] = defaultdict(list)
-    for p in params:
-        grads_by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p.grad)
+    params_by_mesh: dict[object, list[nn.Parameter]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            params_by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
     shares = []
-    for grads in grads_by_mesh.values():
-        share = torch.nn.utils.get_total_norm(grads, norm_type)
+    for params in params_by_mesh.values():
+        share = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
         shares.append(share.full_tensor() if isinstance(share, DTensor) else share)
     if not shares:
         return torch.zeros(())
     total = torch.nn.utils.get_total_norm(shares, norm_type)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    # Scaling is per mesh too: one foreach kernel cannot take DTensors of different meshes.
+    for params in params_by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

@@ -4,14 +4,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["ParallelPlan", "ParamFiller", "PlannedModule"]
+__all__ = ["ParallelPlan", "ParamFiller", "PlannedModule", "TensorParallelPlan"]
 
 ParamFiller = Callable[[nn.Parameter, Callable[[Tensor], None]], None]
 """Writes an initializer's output into a parameter; the initializer always sees the full tensor."""
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How a model splits across tensor-parallel ranks.
+
+    Attributes:
+        styles: ``(sequence_parallel, loss_parallel) -> {submodule pattern: ParallelStyle}``; patterns
+            may use ``*`` (``"layers.*.attention.wq"``). With loss parallel the output stays a DTensor
+            sharded on its last (vocabulary) dim.
+        split_sizes: sizes that every TP degree must divide, by name (``{"n_heads": 32, ...}``).
+        vocab_size: what loss parallel splits; it must divide by the TP degree too.
+        sequence_length: the sequence length of a batch; sequence parallelism splits it.
+    """
+
+    styles: Callable[[bool, bool], dict[str, ParallelStyle]]
+    split_sizes: dict[str, int]
+    vocab_size: int
+    sequence_length: Callable[[Any], int]
 
 
 @dataclass(frozen=True)
@@ -24,11 +44,15 @@ class ParallelPlan:
             becomes one FSDP unit whose parameters are all-gathered together.
         init_weights: re-initializes every parameter and buffer of ``model`` after ``to_empty``;
             it receives a seed shared by all ranks and the ``ParamFiller`` to write through.
+        blocks: names of the repeated blocks (compiled one by one, since they are identical).
+        tensor_parallel: how to split the model across TP ranks; None if it cannot be.
     """
 
     model: nn.Module
     fsdp_units: tuple[tuple[str, ...], ...]
     init_weights: Callable[[int, ParamFiller], None]
+    blocks: tuple[str, ...] = ()
+    tensor_parallel: TensorParallelPlan | None = None
 
 
 @runtime_checkable

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.distributed.fsdp import FSDPModule
@@ -32,9 +33,10 @@ from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
 from titan_strategy.checkpoint import save_checkpoint as save_dcp_checkpoint
 from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
 from titan_strategy.parallelize import ParallelizeConfig, parallelize
-from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
 from titan_strategy.parallelize.fsdp import ReshardPolicy
-from titan_strategy.plan import PlannedModule
+from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
+from titan_strategy.parallelize.tensor_parallel import as_local_loss, check_sequence_length, loss_parallel_context
+from titan_strategy.plan import ParallelPlan, PlannedModule
 from titan_strategy.precision import SUPPORTED_PRECISION, TitanPrecision
 
 if TYPE_CHECKING:
@@ -59,12 +61,16 @@ class TitanStrategy(ParallelStrategy):
     Args:
         data_parallel_replicate_size: HSDP replicas (parameters replicated across them).
         data_parallel_shard_size: FSDP shard degree; -1 takes what the other degrees leave of the world.
-        tensor_parallel_size: tensor-parallel degree (the mesh dim exists; the Llama plan arrives with TP).
+        tensor_parallel_size: tensor-parallel degree.
         context_parallel_size: context-parallel degree.
         pipeline_parallel_size: pipeline stages.
         pipeline_schedule: one of ``PIPELINE_SCHEDULES``.
         pipeline_microbatches: microbatches per Lightning batch under PP (None: one per stage).
         fsdp_reshard_after_forward: "default" (reshard all but the last unit), "always" or "never".
+        sequence_parallel: under TP, shard norms and residuals on the sequence dim (less memory).
+        loss_parallel: under TP, keep logits sharded on the vocabulary and compute the loss that way.
+        async_tensor_parallel: overlap TP communication with matmuls (AsyncTP); CUDA and compile only.
+        compile: ``torch.compile`` each repeated block of the model.
         process_group_backend: "gloo", "nccl", ...; None picks by device.
         timeout_seconds: process-group timeout; a collective that waits longer fails instead of hanging.
     """
@@ -81,6 +87,10 @@ class TitanStrategy(ParallelStrategy):
         pipeline_schedule: str = "1F1B",
         pipeline_microbatches: int | None = None,
         fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default",
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
+        async_tensor_parallel: bool = False,
+        compile: bool = False,
         process_group_backend: str | None = None,
         timeout_seconds: float = 1800.0,
         cluster_environment: ClusterEnvironment | None = None,
@@ -88,11 +98,19 @@ class TitanStrategy(ParallelStrategy):
     ) -> None:
         super().__init__(cluster_environment=cluster_environment, checkpoint_io=checkpoint_io)
         _check_knobs(pipeline_schedule, pipeline_microbatches, fsdp_reshard_after_forward, timeout_seconds)
+        if async_tensor_parallel and not compile:
+            raise ValueError("async_tensor_parallel=True needs compile=True: AsyncTP is an inductor pass over "
+                             "compiled blocks. Set compile=True, or async_tensor_parallel=False.")
         self._degrees = {"dp_replicate": data_parallel_replicate_size, "dp_shard": data_parallel_shard_size,
                          "cp": context_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
         self.pipeline_schedule = pipeline_schedule
         self.pipeline_microbatches = pipeline_microbatches
         self.fsdp_reshard_after_forward: ReshardPolicy = fsdp_reshard_after_forward
+        self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
+        self.async_tensor_parallel = async_tensor_parallel
+        self.compile = compile
+        self._plan: ParallelPlan | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout_seconds)
         self._dims: ParallelDims | None = None
@@ -150,6 +168,9 @@ class TitanStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self.parallel_dims  # noqa: B018 -- bad degrees fail here, before any process is launched
+        if self.async_tensor_parallel and self.root_device.type != "cuda":
+            raise ValueError(f"async_tensor_parallel=True runs on CUDA only (symmetric memory), not on "
+                             f"{self.root_device.type!r}; set async_tensor_parallel=False.")
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -203,8 +224,13 @@ class TitanStrategy(ParallelStrategy):
         assert isinstance(precision, TitanPrecision)
         if isinstance(module, PlannedModule):
             self._check_supported_degrees()
-            config = ParallelizeConfig(precision.param_dtype, precision.reduce_dtype, self.fsdp_reshard_after_forward)
-            parallelize(module.parallel_plan(), self.device_mesh, self.parallel_dims, config, self.root_device)
+            config = ParallelizeConfig(
+                param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+                reshard_after_forward=self.fsdp_reshard_after_forward, sequence_parallel=self.sequence_parallel,
+                loss_parallel=self.loss_parallel, async_tp=self.async_tensor_parallel, compile=self.compile,
+            )
+            self._plan = module.parallel_plan()
+            parallelize(self._plan, self.device_mesh, self.parallel_dims, config, self.root_device)
         else:
             # A module that parallelized itself keeps Lightning's semantics: reset_parameters() and autocast.
             precision.use_autocast = True
@@ -218,13 +244,50 @@ class TitanStrategy(ParallelStrategy):
 
     def _check_supported_degrees(self) -> None:
         dims = self.parallel_dims
-        for knob, degree, issue in (("tensor_parallel_size", dims.tp, 3), ("pipeline_parallel_size", dims.pp, 4),
-                                    ("context_parallel_size", dims.cp, 5)):
+        for knob, degree, issue in (("pipeline_parallel_size", dims.pp, 4), ("context_parallel_size", dims.cp, 5)):
             if degree > 1:
                 raise NotImplementedError(
                     f"{knob}={degree} is not applied to a module with a parallel_plan() yet (tracked in issue #{issue}); "
                     f"set {knob}=1, or parallelize that dimension yourself in configure_model via self.device_mesh."
                 )
+
+    # ---- steps: loss parallel around forward+loss and around backward -----------------------------
+
+    @property
+    def _loss_parallel_active(self) -> bool:
+        return self._plan is not None and self.parallel_dims.tp > 1 and self.loss_parallel
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step(super().training_step, args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step(super().validation_step, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._step(super().test_step, args, kwargs)
+
+    def _step(self, step: Callable[..., STEP_OUTPUT], args: tuple, kwargs: dict) -> STEP_OUTPUT:
+        if self._plan is not None and self.parallel_dims.tp > 1 and self.sequence_parallel and args:
+            assert self._plan.tensor_parallel is not None
+            check_sequence_length(self._plan.tensor_parallel.sequence_length(args[0]), self.parallel_dims.tp)
+        if not self._loss_parallel_active:
+            return step(*args, **kwargs)
+        with loss_parallel_context(True), _logging_local_values(self.lightning_module):
+            output = step(*args, **kwargs)
+        if isinstance(output, Mapping) and "loss" in output:
+            return {**output, "loss": as_local_loss(output["loss"])}
+        return as_local_loss(output)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: torch.optim.Optimizer | None, *args: Any,
+                 **kwargs: Any) -> Tensor:
+        # Lightning calls backward outside training_step; the vocab-parallel cross-entropy backward
+        # needs the same context as its forward.
+        with loss_parallel_context(self._loss_parallel_active):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _log_grad_norm(self, norm: Tensor) -> None:
         self.lightning_module.log("grad_norm", norm, on_step=True, prog_bar=True)
@@ -338,6 +401,21 @@ class TitanStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="4-D parallelism (FSDP2/HSDP, TP, CP, PP)")
+
+
+@contextmanager
+def _logging_local_values(module: pl.LightningModule) -> Generator[None, None, None]:
+    """Let ``self.log`` take the replicated DTensor loss that loss parallel produces."""
+    log_value = module.log
+
+    def log_local(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        log_value(name, as_local_loss(value), *args, **kwargs)
+
+    module.log = log_local  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log
 
 
 def _check_knobs(schedule: str, microbatches: int | None, reshard: str, timeout_seconds: float) -> None:
