@@ -29,8 +29,8 @@ TINY = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, 
 class AffineSequences(Dataset):
     """Learnable, deterministic sequences: token[t+1] = (5 * token[t] + 3) mod vocab, random starts."""
 
-    def __init__(self, count: int, seq_len: int, vocab: int) -> None:
-        starts = torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(1234))
+    def __init__(self, count: int, seq_len: int, vocab: int, seed: int = 1234) -> None:
+        starts = torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed))
         tokens = [starts]
         for _ in range(seq_len):
             tokens.append((5 * tokens[-1] + 3) % vocab)
@@ -66,6 +66,7 @@ class Recorder(Callback):
 
     def __init__(self, save_at: int | None, save_path: str | None) -> None:
         self.steps: list[dict[str, float]] = []
+        self.val_losses: list[float] = []
         self.save_at = save_at
         self.save_path = save_path
 
@@ -77,8 +78,12 @@ class Recorder(Callback):
         if stepped and "grad_norm" in metrics:  # logged by the optimizer step this batch completed
             record["grad_norm"] = float(metrics["grad_norm"])
         self.steps.append(record)
-        if self.save_at is not None and trainer.global_step == self.save_at and trainer.is_last_batch is False:
+        if self.save_at is not None and trainer.global_step == self.save_at:
             trainer.save_checkpoint(self.save_path)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
 
 def main(spec: dict[str, Any], out_dir: Path) -> None:
@@ -92,7 +97,9 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
         accelerator=spec.get("accelerator", "cpu"), devices=spec.get("devices", 1), strategy=strategy, precision=spec.get("precision", "32-true"),
         max_steps=spec["steps"], accumulate_grad_batches=spec.get("accumulate", 1),
         gradient_clip_val=spec.get("clip"), callbacks=[recorder], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=2 if spec.get("validate") else 0,
+        val_check_interval=spec["steps"] if spec.get("validate") else None,
         default_root_dir=str(out_dir),
     )
     module_cls = SelfShardedLlama if spec.get("self_sharded") else LlamaModule
@@ -103,9 +110,11 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
         trainer.fit(model, datamodule=data, ckpt_path=spec.get("resume_from"))
     else:
         model = module_cls(model=TINY, **model_args)
-        loader = DataLoader(AffineSequences(512, 32, TINY.vocab_size), batch_size=spec["batch_size"])
-        trainer.fit(model, train_dataloaders=loader, ckpt_path=spec.get("resume_from"))
-    result = {"steps": recorder.steps, "world_size": trainer.world_size}
+        samples = AffineSequences(spec.get("samples", 512), 32, TINY.vocab_size)
+        loader = DataLoader(samples, batch_size=spec["batch_size"])
+        val_loader = DataLoader(AffineSequences(64, 32, TINY.vocab_size, seed=99), batch_size=spec["batch_size"])
+        trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.get("resume_from"))
+    result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size}
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -1,0 +1,95 @@
+"""Tensor / sequence parallel with loss parallel, alone and composed with FSDP2/HSDP (CPU/gloo, fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import launch
+from tests.test_parity import GLOBAL_BATCH, STEPS, _assert_close_per_step, _assert_identical_on_all_ranks, _series
+from titan_strategy.parallelize.tensor_parallel import check_sequence_length, check_tp_plan
+from titan_strategy.plan import TensorParallelPlan
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def single_process_with_validation(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> dict:
+    spec = {"steps": STEPS, "batch_size": GLOBAL_BATCH, "clip": 1.0, "validate": True}
+    return launch(1, spec, tmp_path_factory.mktemp("single_val"), test_env)[0]
+
+
+def _tp(size: int, sequence_parallel: bool = True, loss_parallel: bool = True, **more: Any) -> dict:
+    return {"tensor_parallel_size": size, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel, **more}
+
+
+@pytest.mark.parametrize(("nproc", "strategy"), [
+    (2, _tp(2)),
+    (2, _tp(2, sequence_parallel=False)),
+    (2, _tp(2, loss_parallel=False)),
+    (2, _tp(2, sequence_parallel=False, loss_parallel=False)),
+    (4, _tp(4)),
+    (4, _tp(4, sequence_parallel=False, loss_parallel=False)),
+    (4, _tp(2)),
+    (8, _tp(2, data_parallel_replicate_size=2, data_parallel_shard_size=2)),
+], ids=["tp2", "tp2-no-sp", "tp2-no-loss-parallel", "tp2-plain", "tp4", "tp4-plain", "fsdp2xtp2", "hsdp2xfsdp2xtp2"])
+def test_matches_single_process(nproc: int, strategy: dict, single_process_with_validation: dict, tmp_path: Path,
+                                test_env: dict[str, str]) -> None:
+    data_parallel = nproc // strategy["tensor_parallel_size"]
+    spec = {"steps": STEPS, "batch_size": GLOBAL_BATCH // data_parallel, "clip": 1.0, "validate": True,
+            "strategy": strategy}
+    records = launch(nproc, spec, tmp_path, test_env)
+    reference = single_process_with_validation
+    _assert_identical_on_all_ranks(records)
+    _assert_close_per_step(_series(records[0], "train_loss"), _series(reference, "train_loss"), RTOL)
+    # Clipping at 1.0 is active: equal grad norms under 2-D/3-D meshes mean equal clipping too.
+    _assert_close_per_step(_series(records[0], "grad_norm"), _series(reference, "grad_norm"), RTOL)
+    for record in records:  # validation under TP (loss parallel included) gives the same val_loss
+        assert record["val_losses"] == pytest.approx(reference["val_losses"], rel=RTOL)
+
+
+def test_checkpoint_from_fsdp2_x_tp2_resumes_under_fsdp4(tmp_path: Path, test_env: dict[str, str]) -> None:
+    # 24 samples of global batch 8: step 3 ends an epoch, where Lightning resumes map-style data exactly.
+    spec = {"steps": 6, "clip": 1.0, "samples": 24}
+    checkpoint = tmp_path / "dp2tp2.ckpt"
+    original = launch(4, {**spec, "batch_size": 4, "strategy": _tp(2), "save_at": 3, "save_path": str(checkpoint)},
+                      tmp_path / "dp2tp2", test_env)
+    resumed = launch(4, {**spec, "batch_size": 2, "resume_from": str(checkpoint)}, tmp_path / "dp4", test_env)
+    _assert_identical_on_all_ranks(resumed)
+    [expected] = [s for s in original[0]["steps"] if s["step"] == 4]
+    first = resumed[0]["steps"][0]
+    assert first["step"] == 4
+    assert first["train_loss"] == pytest.approx(expected["train_loss"], rel=RTOL)
+    assert first["grad_norm"] == pytest.approx(expected["grad_norm"], rel=RTOL)
+
+
+def _plan(**sizes: int) -> TensorParallelPlan:
+    split = {"n_heads": 32, "n_kv_heads": 8, "ffn_dim": 14336} | {k: v for k, v in sizes.items() if k != "vocab_size"}
+    return TensorParallelPlan(styles=lambda sp, lp: {}, split_sizes=split, vocab_size=sizes.get("vocab_size", 128256),
+                              sequence_length=lambda batch: 0)
+
+
+@pytest.mark.parametrize(("plan", "tp", "loss_parallel", "message"), [
+    (_plan(n_heads=12), 8, True, r"tensor_parallel_size=8 does not divide n_heads=12; use a tensor_parallel_size that "
+                                 r"divides it \(\[1, 2, 3, 4, 6, 12\]\)"),
+    (_plan(), 16, True, r"tensor_parallel_size=16 does not divide n_kv_heads=8"),
+    (_plan(ffn_dim=1001), 8, True, r"tensor_parallel_size=8 does not divide ffn_dim=1001"),
+    (_plan(vocab_size=8450), 4, True, r"does not divide vocab_size=8450; use loss_parallel=False or"),
+    (None, 2, True, r"declares no tensor_parallel plan; set tensor_parallel_size=1"),
+])
+def test_indivisible_shapes_name_the_value_and_the_fix(plan: TensorParallelPlan | None, tp: int, loss_parallel: bool,
+                                                       message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_tp_plan(plan, tp, loss_parallel=loss_parallel)
+
+
+def test_vocab_need_not_divide_without_loss_parallel() -> None:
+    check_tp_plan(_plan(vocab_size=8450), 2, loss_parallel=False)
+
+
+def test_sequence_parallel_needs_a_divisible_seq_len() -> None:
+    check_sequence_length(4096, 8)
+    with pytest.raises(ValueError, match=r"seq_len=1001; use a seq_len divisible by 8, or sequence_parallel=False"):
+        check_sequence_length(1001, 8)
