@@ -60,11 +60,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     args = parser.parse_args()
 
     config = get_flavor(args.flavor)
     timer = StepTimer(args.warmup)
-    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=TitanStrategy(), precision=args.precision,
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=TitanStrategy(compile=args.compile), precision=args.precision,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
     module = LlamaModule(model=args.flavor, warmup_steps=10, max_seq_len=max(args.seq_len, 2048))
@@ -78,7 +79,7 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), float("nan"))
     result = {
-        "flavor": args.flavor, "seq_len": args.seq_len, "batch_size": args.batch_size, "precision": args.precision,
+        "flavor": args.flavor, "seq_len": args.seq_len, "batch_size": args.batch_size, "precision": args.precision, "compile": args.compile,
         "tokens_per_s": round(tokens_per_s), "mfu_percent": round(100 * tokens_per_s * flops_per_token / (peak * 1e12), 1),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "device": name,
         "torch": torch.__version__, "lightning": L.__version__, "timed_steps": timer.timed_steps,

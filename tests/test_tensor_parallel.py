@@ -93,3 +93,43 @@ def test_sequence_parallel_needs_a_divisible_seq_len() -> None:
     check_sequence_length(4096, 8)
     with pytest.raises(ValueError, match=r"seq_len=1001; use a seq_len divisible by 8, or sequence_parallel=False"):
         check_sequence_length(1001, 8)
+
+
+def test_async_tp_needs_compile_and_cuda(tmp_path: Path) -> None:
+    import lightning as L
+
+    from titan_strategy import TitanStrategy
+
+    with pytest.raises(ValueError, match=r"async_tensor_parallel=True needs compile=True"):
+        TitanStrategy(tensor_parallel_size=2, async_tensor_parallel=True)
+    # The device is known once the Trainer picks it, still before any process starts.
+    strategy = TitanStrategy(async_tensor_parallel=True, compile=True)
+    with pytest.raises(ValueError, match=r"runs on CUDA only \(symmetric memory\), not on 'cpu'"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, default_root_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def _compiled_tp_refused() -> bool:
+    from titan_strategy import strategy
+
+    return strategy._COMPILED_TP_IS_BROKEN
+
+
+def test_compiled_blocks_match_eager(tmp_path: Path, test_env: dict[str, str]) -> None:
+    """Regional compile under FSDP2, and under FSDP2 x TP where torch compiles TP correctly."""
+    from titan_strategy import TitanStrategy
+
+    spec = {"steps": 4, "clip": 1.0}
+    eager = launch(1, {**spec, "batch_size": GLOBAL_BATCH}, tmp_path / "eager", test_env)[0]
+    compiled = launch(2, {**spec, "batch_size": GLOBAL_BATCH // 2, "strategy": {"compile": True}},
+                      tmp_path / "compiled", test_env)[0]
+    for key in ("train_loss", "grad_norm"):
+        assert _series(compiled, key) == pytest.approx(_series(eager, key), rel=RTOL)
+    if _compiled_tp_refused():
+        with pytest.raises(ValueError, match=r"compile=True with tensor_parallel_size=2 gives wrong gradients"):
+            TitanStrategy(tensor_parallel_size=2, compile=True)
+    else:
+        with_tp = launch(2, {**spec, "batch_size": GLOBAL_BATCH, "strategy": _tp(2, compile=True)},
+                         tmp_path / "compiled_tp", test_env)[0]
+        for key in ("train_loss", "grad_norm"):
+            assert _series(with_tp, key) == pytest.approx(_series(eager, key), rel=RTOL)
