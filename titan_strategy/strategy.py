@@ -101,15 +101,7 @@ class TitanStrategy(ParallelStrategy):
     ) -> None:
         super().__init__(cluster_environment=cluster_environment, checkpoint_io=checkpoint_io)
         _check_knobs(pipeline_schedule, pipeline_microbatches, fsdp_reshard_after_forward, timeout_seconds)
-        if compile and tensor_parallel_size > 1 and _COMPILED_TP_IS_BROKEN:
-            raise ValueError(
-                f"compile=True with tensor_parallel_size={tensor_parallel_size} gives wrong gradients on torch "
-                f"{torch.__version__} (a DTensor backward regression; torch 2.11 is correct). Use compile=False, "
-                "or torch 2.11."
-            )
-        if async_tensor_parallel and not compile:
-            raise ValueError("async_tensor_parallel=True needs compile=True: AsyncTP is an inductor pass over "
-                             "compiled blocks. Set compile=True, or async_tensor_parallel=False.")
+        _check_compile_knobs(compile, tensor_parallel_size, async_tensor_parallel)
         self._degrees = {"dp_replicate": data_parallel_replicate_size, "dp_shard": data_parallel_shard_size,
                          "cp": context_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
         self.pipeline_schedule = pipeline_schedule
@@ -436,6 +428,18 @@ def _check_knobs(schedule: str, microbatches: int | None, reshard: str, timeout_
         raise ValueError(f"fsdp_reshard_after_forward={reshard!r} must be one of {list(_RESHARD_POLICIES)}.")
     if timeout_seconds <= 0:
         raise ValueError(f"timeout_seconds={timeout_seconds!r} must be > 0.")
+
+
+def _check_compile_knobs(compile: bool, tensor_parallel_size: int, async_tensor_parallel: bool) -> None:
+    if compile and tensor_parallel_size > 1 and _COMPILED_TP_IS_BROKEN:
+        raise ValueError(
+            f"compile=True with tensor_parallel_size={tensor_parallel_size} gives wrong gradients on torch "
+            f"{torch.__version__} (a DTensor backward regression; torch 2.11 is correct). Use compile=False, "
+            "or torch 2.11."
+        )
+    if async_tensor_parallel and not compile:
+        raise ValueError("async_tensor_parallel=True needs compile=True: AsyncTP is an inductor pass over "
+                         "compiled blocks. Set compile=True, or async_tensor_parallel=False.")
 
 
 def _to_titan_precision(plugin: Precision | None) -> TitanPrecision | None:
