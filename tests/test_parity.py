@@ -98,3 +98,11 @@ def test_self_parallelized_module_runs_unchanged(tmp_path: Path, test_env: dict[
     _assert_identical_on_all_ranks(two)
     _assert_close_per_step(_series(two[0], "train_loss"), _series(one[0], "train_loss"))
     assert _series(one[0], "train_loss")[-1] < _series(one[0], "train_loss")[0]
+
+
+def test_grad_norm_is_logged_without_clipping(single_process: dict, tmp_path: Path, test_env: dict[str, str]) -> None:
+    records = launch(2, {"steps": 2, "batch_size": GLOBAL_BATCH // 2}, tmp_path, test_env)
+    norms = _series(records[0], "grad_norm")
+    assert len(norms) == 2
+    # Step 1 runs from identical weights, so its (pre-clipping) norm equals the clipped run's.
+    assert norms[0] == pytest.approx(_series(single_process, "grad_norm")[0], rel=RTOL)

@@ -1,4 +1,4 @@
-"""Total gradient norm over parameters that may be DTensors on different meshes."""
+"""Total gradient norm over parameters that may be DTensors on different meshes, and clipping by it."""
 
 from __future__ import annotations
 
@@ -9,28 +9,38 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "total_grad_norm"]
 
 
-@torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
-    """Clip gradients in place so that their global norm is at most ``max_norm``; return that norm.
-
-    ``torch.nn.utils.clip_grad_norm_`` fails when gradients live on different meshes. Here each
-    mesh's share is reduced to a plain tensor (``full_tensor`` sums the partial norms across the
-    mesh) before the shares are combined, so every rank sees the norm of the whole model.
-    """
+def _by_mesh(parameters: Iterable[nn.Parameter]) -> dict[object, list[nn.Parameter]]:
     params_by_mesh: dict[object, list[nn.Parameter]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
             params_by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    return params_by_mesh
+
+
+def _norm_of(params_by_mesh: dict[object, list[nn.Parameter]], norm_type: float) -> Tensor:
+    # torch.nn.utils.clip_grad_norm_ fails when gradients live on different meshes. Each mesh's share
+    # is reduced to a plain tensor (full_tensor sums the partial norms across the mesh) first.
     shares = []
     for params in params_by_mesh.values():
         share = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
         shares.append(share.full_tensor() if isinstance(share, DTensor) else share)
-    if not shares:
-        return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(shares, norm_type)
+    return torch.nn.utils.get_total_norm(shares, norm_type) if shares else torch.zeros(())
+
+
+@torch.no_grad()
+def total_grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0) -> Tensor:
+    """The norm of all gradients together, equal on every rank."""
+    return _norm_of(_by_mesh(parameters), norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clip gradients in place so that their global norm is at most ``max_norm``; return that norm."""
+    params_by_mesh = _by_mesh(parameters)
+    total = _norm_of(params_by_mesh, norm_type)
     # Scaling is per mesh too: one foreach kernel cannot take DTensors of different meshes.
     for params in params_by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

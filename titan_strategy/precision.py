@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -12,7 +12,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from titan_strategy.grad_norm import clip_grad_norm_
+from titan_strategy.grad_norm import clip_grad_norm_, total_grad_norm
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["TitanPrecision", "SUPPORTED_PRECISION"]
 
@@ -53,7 +56,18 @@ class TitanPrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        total_norm = clip_grad_norm_(params, max_norm=float(clip_val))
+        total_norm = clip_grad_norm_(_parameters(optimizer), max_norm=float(clip_val))
         if self.on_grad_norm is not None:
             self.on_grad_norm(total_norm)
+
+    @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Optimizer) -> None:
+        super()._after_closure(model, optimizer)  # hooks, then clipping (which reports the norm it used)
+        trainer = model.trainer
+        clipped_by_norm = bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm == "norm"
+        if not clipped_by_norm and self.on_grad_norm is not None:
+            self.on_grad_norm(total_grad_norm(_parameters(optimizer)))
+
+
+def _parameters(optimizer: Optimizer) -> list[torch.nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
