@@ -62,9 +62,5 @@ class Tokenizer:
         ids = self.model.encode_ordinary(text)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
-    def encode_batch(self, texts: list[str], *, bos: bool = False, eos: bool = False) -> list[list[int]]:
-        batch = self.model.encode_ordinary_batch(texts, num_threads=1)
-        return [([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else []) for ids in batch]
-
     def decode(self, ids: list[int]) -> str:
         return self.model.decode(ids)

@@ -72,10 +72,6 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp_replicate * self.dp_shard > 1
-
-    @property
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1
 
