@@ -42,7 +42,7 @@ def run_command(command: list[str], env: dict[str, str], cwd: Path) -> subproces
     result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
-                             f"{result.stderr[-6000:]}")
+                             f"{result.stderr[-20000:]}")
     return result
 
 

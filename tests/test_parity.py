@@ -89,6 +89,20 @@ def test_resume_continues_the_same_trajectory(tmp_path: Path, test_env: dict[str
     _assert_identical_on_all_ranks(resumed)
 
 
+def test_resume_with_more_data_parallel_ranks_fails_clearly_on_every_rank(tmp_path: Path,
+                                                                           test_env: dict[str, str]) -> None:
+    # Positions were saved for 2 data-parallel ranks; ranks 2 and 3 have none. All 4 must stop with
+    # the same error (none may wait in a collective for the others).
+    spec = {"steps": 2, "batch_size": 2, "data": "text"}
+    checkpoint = tmp_path / "dp2.ckpt"
+    launch(2, {**spec, "save_at": 2, "save_path": str(checkpoint)}, tmp_path / "dp2", test_env)
+    with pytest.raises(AssertionError) as failure:
+        launch(4, {**spec, "steps": 3, "resume_from": str(checkpoint)}, tmp_path / "dp4", test_env)
+    for rank in (2, 3):  # the ranks that hold no saved position raise too, instead of hanging
+        assert f"[rank{rank}]: ValueError: {checkpoint} holds dataloader positions for 2 data-parallel ranks, " \
+               "but this run has 4" in str(failure.value)
+
+
 def test_self_parallelized_module_runs_unchanged(tmp_path: Path, test_env: dict[str, str]) -> None:
     # A ModelParallelStrategy-style module shards itself in configure_model with
     # self.device_mesh["data_parallel"]; its reset_parameters() init must not depend on the layout.

@@ -41,8 +41,11 @@ def _loader_state_slot(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
 
 
+_DATALOADER_PREFIX = "dataloader.batch_rank_"
+
+
 def _dataloader_key(batch_rank: int) -> str:
-    return f"dataloader.batch_rank_{batch_rank}"
+    return f"{_DATALOADER_PREFIX}{batch_rank}"
 
 
 def save_checkpoint(checkpoint: dict[str, Any], path: Path, *, batch_rank: int, batch_world_size: int,
@@ -94,7 +97,9 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: list[Optimizer], 
         state[f"optimizer_{index}"] = get_optimizer_state_dict(module, optimizer)
     loop_state = _loader_state_slot(checkpoint)
     saved_world = checkpoint.pop(_DATA_WORLD_KEY)
-    restore_loader = loop_state is not None and _has_dataloader_state(path, batch_rank)
+    # Decided from what the checkpoint holds, not from this rank's key, so that every rank takes the
+    # same branch (a rank that raised alone would leave the others waiting in dcp.load).
+    restore_loader = loop_state is not None and _has_dataloader_state(path)
     if restore_loader:
         if saved_world != batch_world_size:
             raise ValueError(
@@ -112,8 +117,9 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: list[Optimizer], 
     return checkpoint
 
 
-def _has_dataloader_state(path: Path, batch_rank: int) -> bool:
-    return _dataloader_key(batch_rank) in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+def _has_dataloader_state(path: Path) -> bool:
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return any(key.startswith(_DATALOADER_PREFIX) for key in keys)
 
 
 def _to_bytes(obj: Any) -> bytes:
