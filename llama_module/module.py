@@ -75,6 +75,10 @@ class LlamaModule(L.LightningModule):
         """Mean next-token cross-entropy over the batch's tokens (labels of -100 are ignored)."""
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
 
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """TitanStrategy's hook under pipeline parallelism: the loss of one microbatch, from the last stage's output."""
+        return self.compute_loss(output, target)
+
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)

@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llama_module.model import Llama
-from titan_strategy.plan import ParallelPlan, TensorParallelPlan
+from titan_strategy.plan import ParallelPlan, PipelinePlan, TensorParallelPlan
 
 __all__ = ["llama_plan", "llama_tp_styles"]
 
@@ -59,8 +59,8 @@ def _sequence_length(batch: Any) -> int:
 def llama_plan(model: Llama) -> ParallelPlan:
     """FSDP units in forward order: the embedding, each block, then final norm and output together.
 
-    Norm and output form one unit because they run back to back and the norm alone is tiny. Parts a
-    pipeline stage does not hold (``None``) are left out, so the plan fits any stage.
+    Norm and output form one unit because they run back to back and the norm alone is tiny. Pipeline
+    stages cut the blocks into runs; the embedding rides with the first, norm and output with the last.
     """
     units: list[tuple[str, ...]] = []
     if model.tok_embeddings is not None:
@@ -77,5 +77,6 @@ def llama_plan(model: Llama) -> ParallelPlan:
         vocab_size=config.vocab_size,
         sequence_length=_sequence_length,
     )
+    pipeline = PipelinePlan(first_stage=("tok_embeddings",), last_stage=("norm", "output"))
     return ParallelPlan(model=model, fsdp_units=tuple(units), init_weights=model.init_weights, blocks=blocks,
-                        tensor_parallel=tensor_parallel)
+                        tensor_parallel=tensor_parallel, pipeline=pipeline)

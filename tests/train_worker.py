@@ -61,14 +61,30 @@ class SelfShardedLlama(LlamaModule):
     parallel_plan = None  # type: ignore[assignment]  # declares no plan, so the strategy leaves it alone
 
 
+COUNTED_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+                 "on_before_zero_grad", "on_before_optimizer_step", "on_validation_batch_end", "on_validation_end")
+
+
 class Recorder(Callback):
-    """Collects what Lightning logged at each optimizer step; saves a checkpoint when asked."""
+    """Collects what Lightning logged at each optimizer step and how often each hook ran; saves a
+    checkpoint when asked."""
 
     def __init__(self, save_at: int | None, save_path: str | None) -> None:
         self.steps: list[dict[str, float]] = []
         self.val_losses: list[float] = []
+        self.hook_calls = dict.fromkeys(COUNTED_HOOKS, 0)
+        self.training_mode_after_validation: list[bool] = []
         self.save_at = save_at
         self.save_path = save_path
+        for hook in COUNTED_HOOKS:
+            setattr(self, hook, self._counter(hook, getattr(self, hook)))
+
+    def _counter(self, hook: str, method: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.hook_calls[hook] += 1
+            return method(*args, **kwargs)
+
+        return counted
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -85,6 +101,13 @@ class Recorder(Callback):
         if not trainer.sanity_checking:
             self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.val_losses:  # every module (pipeline stages included) is back in training mode
+            stages = getattr(trainer.strategy, "_pipeline", None)
+            modules = [*pl_module.modules(), *(m for part in (stages.stage_modules if stages else []) for m in part.modules())]
+            self.training_mode_after_validation.append(all(m.training for m in modules))
+
 
 def main(spec: dict[str, Any], out_dir: Path) -> None:
     L.seed_everything(spec.get("seed", 0), verbose=False)
@@ -99,7 +122,7 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
         gradient_clip_val=spec.get("clip"), callbacks=[recorder], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=2 if spec.get("validate") else 0,
-        val_check_interval=spec["steps"] if spec.get("validate") else None,
+        val_check_interval=spec.get("val_every", spec["steps"]) if spec.get("validate") else None,
         default_root_dir=str(out_dir),
     )
     module_cls = SelfShardedLlama if spec.get("self_sharded") else LlamaModule
@@ -109,12 +132,14 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
         data = TextDataModule(source="offline", seq_len=32, batch_size=spec["batch_size"], val_batches=0)
         trainer.fit(model, datamodule=data, ckpt_path=spec.get("resume_from"))
     else:
-        model = module_cls(model=TINY, **model_args)
+        model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "n_layers": spec.get("n_layers", TINY.n_layers)}),
+                           **model_args)
         samples = AffineSequences(spec.get("samples", 512), 32, TINY.vocab_size)
         loader = DataLoader(samples, batch_size=spec["batch_size"])
         val_loader = DataLoader(AffineSequences(64, 32, TINY.vocab_size, seed=99), batch_size=spec["batch_size"])
         trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.get("resume_from"))
-    result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size}
+    result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
+              "hook_calls": recorder.hook_calls, "training_mode_after_validation": recorder.training_mode_after_validation}
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

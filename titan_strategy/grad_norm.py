@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
@@ -20,27 +23,47 @@ def _by_mesh(parameters: Iterable[nn.Parameter]) -> dict[object, list[nn.Paramet
     return params_by_mesh
 
 
-def _norm_of(params_by_mesh: dict[object, list[nn.Parameter]], norm_type: float) -> Tensor:
+def _norm_of(params_by_mesh: dict[object, list[nn.Parameter]], norm_type: float, group: ProcessGroup | None) -> Tensor:
     # torch.nn.utils.clip_grad_norm_ fails when gradients live on different meshes. Each mesh's share
     # is reduced to a plain tensor (full_tensor sums the partial norms across the mesh) first.
     shares = []
     for params in params_by_mesh.values():
         share = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
         shares.append(share.full_tensor() if isinstance(share, DTensor) else share)
-    return torch.nn.utils.get_total_norm(shares, norm_type) if shares else torch.zeros(())
+    local = torch.nn.utils.get_total_norm(shares, norm_type) if shares else torch.zeros(())
+    if group is None:
+        return local
+    # Pipeline stages hold disjoint parameters: combine the ranks' norms (p-th powers add up).
+    if math.isinf(norm_type):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    powered = local.double() ** norm_type
+    dist.all_reduce(powered, group=group)
+    return (powered ** (1.0 / norm_type)).to(local.dtype)
 
 
 @torch.no_grad()
-def total_grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0) -> Tensor:
-    """The norm of all gradients together, equal on every rank."""
-    return _norm_of(_by_mesh(parameters), norm_type)
+def total_grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0,
+                    group: ProcessGroup | None = None) -> Tensor:
+    """The norm of all gradients together, equal on every rank.
+
+    Args:
+        parameters: this rank's parameters.
+        norm_type: the p of the p-norm (``inf`` for the max norm).
+        group: ranks that hold *other* parameters of the model (the pipeline group), or None.
+    """
+    return _norm_of(_by_mesh(parameters), norm_type, group)
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> Tensor:
-    """Clip gradients in place so that their global norm is at most ``max_norm``; return that norm."""
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0,
+                    group: ProcessGroup | None = None) -> Tensor:
+    """Clip gradients in place so that their global norm is at most ``max_norm``; return that norm.
+
+    ``group`` is as in ``total_grad_norm``.
+    """
     params_by_mesh = _by_mesh(parameters)
-    total = _norm_of(params_by_mesh, norm_type)
+    total = _norm_of(params_by_mesh, norm_type, group)
     # Scaling is per mesh too: one foreach kernel cannot take DTensors of different meshes.
     for params in params_by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["ParallelPlan", "ParamFiller", "PlannedModule", "TensorParallelPlan"]
+__all__ = ["ParallelPlan", "ParamFiller", "PipelinePlan", "PlannedModule", "TensorParallelPlan", "input_ids_and_labels"]
 
 ParamFiller = Callable[[nn.Parameter, Callable[[Tensor], None]], None]
 """Writes an initializer's output into a parameter; the initializer always sees the full tensor."""
@@ -34,6 +34,34 @@ class TensorParallelPlan:
     sequence_length: Callable[[Any], int]
 
 
+def input_ids_and_labels(batch: Any) -> tuple[Tensor, Tensor | None]:
+    """The default batch split under pipeline parallelism: what the first stage eats, what the loss compares to.
+
+    A batch without labels (prediction) gives no target.
+    """
+    return batch["input_ids"], batch.get("labels")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How a model's forward cuts into pipeline stages.
+
+    A stage is a contiguous run of the plan's ``blocks``; the first stage also keeps ``first_stage``
+    modules, the last stage ``last_stage`` modules. Every other block or module is removed from a
+    stage (set to ``None``, or deleted from its ``ModuleDict``), so the model's ``forward`` must skip
+    missing parts and pass hidden states through. Parameter names stay those of the full model.
+
+    Attributes:
+        first_stage: modules only the first stage holds (e.g. the token embedding).
+        last_stage: modules only the last stage holds (e.g. final norm and output projection).
+        split_batch: ``batch -> (first stage input, loss target)``.
+    """
+
+    first_stage: tuple[str, ...]
+    last_stage: tuple[str, ...]
+    split_batch: Callable[[Any], tuple[Tensor, Tensor | None]] = input_ids_and_labels
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """A model's declaration of how it may be parallelized.
@@ -46,6 +74,7 @@ class ParallelPlan:
             it receives a seed shared by all ranks and the ``ParamFiller`` to write through.
         blocks: names of the repeated blocks (compiled one by one, since they are identical).
         tensor_parallel: how to split the model across TP ranks; None if it cannot be.
+        pipeline: how to cut the model into pipeline stages; None if it cannot be.
     """
 
     model: nn.Module
@@ -53,10 +82,15 @@ class ParallelPlan:
     init_weights: Callable[[int, ParamFiller], None]
     blocks: tuple[str, ...] = ()
     tensor_parallel: TensorParallelPlan | None = None
+    pipeline: PipelinePlan | None = None
 
 
 @runtime_checkable
 class PlannedModule(Protocol):
-    """A LightningModule that lets TitanStrategy parallelize it (see ``llama_module.LlamaModule``)."""
+    """A LightningModule that lets TitanStrategy parallelize it (see ``llama_module.LlamaModule``).
+
+    Under pipeline parallelism it may also define ``pipeline_loss(output, target) -> Tensor``, the
+    mean loss of one microbatch (default: token cross-entropy that ignores label -100).
+    """
 
     def parallel_plan(self) -> ParallelPlan: ...

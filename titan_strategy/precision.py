@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -38,6 +39,8 @@ class TitanPrecision(Precision):
         self.device_type = device_type
         self.use_autocast = False
         self.on_grad_norm: Callable[[Tensor], None] | None = None
+        # Set by the strategy under pipeline parallelism: the norm spans every stage's parameters.
+        self.grad_norm_group: ProcessGroup | None = None
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -56,7 +59,8 @@ class TitanPrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        total_norm = clip_grad_norm_(_parameters(optimizer), max_norm=float(clip_val))
+        total_norm = clip_grad_norm_(_parameters(optimizer), max_norm=float(clip_val),
+                                     group=self.grad_norm_group)
         if self.on_grad_norm is not None:
             self.on_grad_norm(total_norm)
 
@@ -66,7 +70,7 @@ class TitanPrecision(Precision):
         trainer = model.trainer
         clipped_by_norm = bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm == "norm"
         if not clipped_by_norm and self.on_grad_norm is not None:
-            self.on_grad_norm(total_grad_norm(_parameters(optimizer)))
+            self.on_grad_norm(total_grad_norm(_parameters(optimizer), group=self.grad_norm_group))
 
 
 def _parameters(optimizer: Optimizer) -> list[torch.nn.Parameter]:

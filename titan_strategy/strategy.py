@@ -36,6 +36,8 @@ from titan_strategy.parallelize import ParallelizeConfig, parallelize
 from titan_strategy.parallelize.fsdp import ReshardPolicy
 from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
 from titan_strategy.parallelize.tensor_parallel import as_local_loss, check_sequence_length, loss_parallel_context
+from titan_strategy.pipeline.layout import PIPELINE_SCHEDULES, PipelineConfig, PipelineLayout
+from titan_strategy.pipeline.runner import PipelineRunner, token_cross_entropy
 from titan_strategy.plan import ParallelPlan, PlannedModule
 from titan_strategy.precision import SUPPORTED_PRECISION, TitanPrecision
 
@@ -46,8 +48,6 @@ __all__ = ["TitanStrategy", "PIPELINE_SCHEDULES"]
 
 log = logging.getLogger(__name__)
 
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-                      "DualPipeV")
 _RESHARD_POLICIES = ("default", "always", "never")
 # Measured on CPU/gloo: compiled tensor-parallel blocks get gradients ~1% off the eager ones on torch
 # 2.13 (grad norm 0.8004 vs 0.8064 for the test model), and are exact on 2.11.
@@ -69,6 +69,9 @@ class TitanStrategy(ParallelStrategy):
         pipeline_parallel_size: pipeline stages.
         pipeline_schedule: one of ``PIPELINE_SCHEDULES``.
         pipeline_microbatches: microbatches per Lightning batch under PP (None: one per stage).
+        pipeline_stages_per_rank: virtual stages per pipeline rank (None: 1 for GPipe/1F1B, else 2).
+        pipeline_layers_per_stage: blocks per stage (first and last stages may take fewer); None splits evenly.
+        pipeline_split_points: explicit split, the block indices where stages 1, 2, ... begin.
         fsdp_reshard_after_forward: "default" (reshard all but the last unit), "always" or "never".
         sequence_parallel: under TP, shard norms and residuals on the sequence dim (less memory).
         loss_parallel: under TP, keep logits sharded on the vocabulary and compute the loss that way.
@@ -89,6 +92,9 @@ class TitanStrategy(ParallelStrategy):
         pipeline_parallel_size: int = 1,
         pipeline_schedule: str = "1F1B",
         pipeline_microbatches: int | None = None,
+        pipeline_stages_per_rank: int | None = None,
+        pipeline_layers_per_stage: int | None = None,
+        pipeline_split_points: list[int] | None = None,
         fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default",
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
@@ -100,18 +106,22 @@ class TitanStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
     ) -> None:
         super().__init__(cluster_environment=cluster_environment, checkpoint_io=checkpoint_io)
-        _check_knobs(pipeline_schedule, pipeline_microbatches, fsdp_reshard_after_forward, timeout_seconds)
+        _check_knobs(fsdp_reshard_after_forward, timeout_seconds)
+        self.pipeline = PipelineConfig(
+            size=pipeline_parallel_size, schedule=pipeline_schedule, microbatches=pipeline_microbatches,
+            stages_per_rank=pipeline_stages_per_rank, layers_per_stage=pipeline_layers_per_stage,
+            split_points=tuple(pipeline_split_points) if pipeline_split_points is not None else None,
+        )
         _check_compile_knobs(compile, tensor_parallel_size, async_tensor_parallel)
         self._degrees = {"dp_replicate": data_parallel_replicate_size, "dp_shard": data_parallel_shard_size,
                          "cp": context_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
-        self.pipeline_schedule = pipeline_schedule
-        self.pipeline_microbatches = pipeline_microbatches
         self.fsdp_reshard_after_forward: ReshardPolicy = fsdp_reshard_after_forward
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self.async_tensor_parallel = async_tensor_parallel
         self.compile = compile
         self._plan: ParallelPlan | None = None
+        self._pipeline: PipelineRunner | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout_seconds)
         self._dims: ParallelDims | None = None
@@ -229,9 +239,12 @@ class TitanStrategy(ParallelStrategy):
                 param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
                 reshard_after_forward=self.fsdp_reshard_after_forward, sequence_parallel=self.sequence_parallel,
                 loss_parallel=self.loss_parallel, async_tp=self.async_tensor_parallel, compile=self.compile,
+                pipeline=self.pipeline,
             )
             self._plan = module.parallel_plan()
-            parallelize(self._plan, self.device_mesh, self.parallel_dims, config, self.root_device)
+            parallelized = parallelize(self._plan, self.device_mesh, self.parallel_dims, config, self.root_device)
+            if parallelized.layout is not None:
+                self._setup_pipeline(parallelized.parts, parallelized.layout, precision)
         else:
             # A module that parallelized itself keeps Lightning's semantics: reset_parameters() and autocast.
             precision.use_autocast = True
@@ -244,13 +257,26 @@ class TitanStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _check_supported_degrees(self) -> None:
-        dims = self.parallel_dims
-        for knob, degree, issue in (("pipeline_parallel_size", dims.pp, 4), ("context_parallel_size", dims.cp, 5)):
-            if degree > 1:
-                raise NotImplementedError(
-                    f"{knob}={degree} is not applied to a module with a parallel_plan() yet (tracked in issue #{issue}); "
-                    f"set {knob}=1, or parallelize that dimension yourself in configure_model via self.device_mesh."
-                )
+        cp = self.parallel_dims.cp
+        if cp > 1:
+            raise NotImplementedError(
+                f"context_parallel_size={cp} is not applied to a module with a parallel_plan() yet (tracked in issue #5); "
+                "set context_parallel_size=1, or parallelize that dimension yourself in configure_model via "
+                "self.device_mesh."
+            )
+        if self.parallel_dims.pp > 1 and not self.lightning_module.automatic_optimization:
+            raise ValueError(f"pipeline_parallel_size={self.parallel_dims.pp} runs forward and backward inside the "
+                             "pipeline schedule, which needs Lightning's automatic optimization; remove "
+                             "`self.automatic_optimization = False` or set pipeline_parallel_size=1.")
+
+    def _setup_pipeline(self, stage_modules: list[torch.nn.Module], layout: PipelineLayout,
+                        precision: TitanPrecision) -> None:
+        assert self._plan is not None and self._plan.pipeline is not None
+        module = self.lightning_module
+        loss_fn = getattr(module, "pipeline_loss", None) or token_cross_entropy
+        self._pipeline = PipelineRunner(stage_modules, layout, self.pipeline, self._plan.pipeline, loss_fn,
+                                        self.device_mesh["pp"], self.root_device)
+        precision.grad_norm_group = self.device_mesh["pp"].get_group()
 
     # ---- steps: loss parallel around forward+loss and around backward -----------------------------
 
@@ -260,15 +286,41 @@ class TitanStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step(super().training_step, args, kwargs)
+        return self._step(self._pipeline_training_step if self._pipeline else super().training_step, args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step(super().validation_step, args, kwargs)
+        return self._step(self._pipeline_eval_step("val") if self._pipeline else super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step(super().test_step, args, kwargs)
+        return self._step(self._pipeline_eval_step("test") if self._pipeline else super().test_step, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        with loss_parallel_context(self._loss_parallel_active):
+            return self._pipeline.predict_step(args[0])
+
+    # Under PP the schedule replaces the module's *_step: it runs the stages on microbatches, with the
+    # module's pipeline_loss, and the strategy logs the loss under the names LlamaModule uses.
+
+    def _pipeline_training_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
+        assert self._pipeline is not None
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        loss = self._pipeline.train_step(batch, starts_accumulation=batch_idx % accumulate == 0, accumulate=accumulate)
+        self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def _pipeline_eval_step(self, stage: Literal["val", "test"]) -> Callable[..., Tensor]:
+        def step(batch: Any, *args: Any) -> Tensor:
+            assert self._pipeline is not None
+            loss = self._pipeline.eval_step(batch)
+            self.lightning_module.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
+            return loss
+
+        return step
 
     def _step(self, step: Callable[..., STEP_OUTPUT], args: tuple, kwargs: dict) -> STEP_OUTPUT:
         if self._plan is not None and self.parallel_dims.tp > 1 and self.sequence_parallel and args:
@@ -285,6 +337,15 @@ class TitanStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: torch.optim.Optimizer | None, *args: Any,
                  **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:
+            # The schedule already ran backward in training_step; keep Lightning's hooks around
+            # handing its gradients back.
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+            self._pipeline.restore_gradients()
+            closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+            self.post_backward(closure_loss)
+            return closure_loss
         # Lightning calls backward outside training_step; the vocab-parallel cross-entropy backward
         # needs the same context as its forward.
         with loss_parallel_context(self._loss_parallel_active):
@@ -419,11 +480,7 @@ def _logging_local_values(module: pl.LightningModule) -> Generator[None, None, N
         del module.log
 
 
-def _check_knobs(schedule: str, microbatches: int | None, reshard: str, timeout_seconds: float) -> None:
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline_schedule={schedule!r} is unknown; choose one of {list(PIPELINE_SCHEDULES)}.")
-    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-        raise ValueError(f"pipeline_microbatches={microbatches!r} must be a positive integer or None.")
+def _check_knobs(reshard: str, timeout_seconds: float) -> None:
     if reshard not in _RESHARD_POLICIES:
         raise ValueError(f"fsdp_reshard_after_forward={reshard!r} must be one of {list(_RESHARD_POLICIES)}.")
     if timeout_seconds <= 0:

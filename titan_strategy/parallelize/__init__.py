@@ -12,9 +12,11 @@ from titan_strategy.parallelize.compile import apply_compile
 from titan_strategy.parallelize.fsdp import ReshardPolicy, apply_fsdp
 from titan_strategy.parallelize.materialize import materialize
 from titan_strategy.parallelize.tensor_parallel import apply_tp, check_tp_plan
+from titan_strategy.pipeline.layout import ZERO_BUBBLE_SCHEDULES, PipelineConfig, PipelineLayout
+from titan_strategy.pipeline.split import has_submodule, split_for_rank, stage_module_names
 from titan_strategy.plan import ParallelPlan
 
-__all__ = ["ParallelizeConfig", "parallelize", "check_plan"]
+__all__ = ["ParallelizeConfig", "ParallelizedModel", "parallelize", "check_plan"]
 
 
 @dataclass(frozen=True)
@@ -28,40 +30,84 @@ class ParallelizeConfig:
     loss_parallel: bool
     async_tp: bool
     compile: bool
+    pipeline: PipelineConfig
 
 
-def _resolve_units(plan: ParallelPlan) -> list[list[nn.Module]]:
+@dataclass(frozen=True)
+class ParallelizedModel:
+    """What ``parallelize`` made: the modules this rank runs and, under PP, the pipeline layout.
+
+    Attributes:
+        parts: the pipeline stages this rank runs (in stage order), or the whole model without PP.
+        layout: stage split and placement; None without PP.
+    """
+
+    parts: list[nn.Module]
+    layout: PipelineLayout | None
+
+
+def _resolve_units(plan: ParallelPlan, part: nn.Module) -> list[list[nn.Module]]:
+    """The plan's FSDP units that ``part`` holds (a pipeline stage holds some of them)."""
     units = []
     for names in plan.fsdp_units:
-        modules = [plan.model.get_submodule(name) for name in names]
+        modules = [part.get_submodule(name) for name in names if has_submodule(part, name)]
         if modules:
             units.append(modules)
     return units
 
 
-def check_plan(plan: ParallelPlan, dims: ParallelDims, config: ParallelizeConfig) -> None:
-    """Everything about the plan that can be wrong, checked before the model is touched."""
+def check_plan(plan: ParallelPlan, dims: ParallelDims, config: ParallelizeConfig) -> PipelineLayout | None:
+    """Everything about the plan that can be wrong, checked before the model is touched.
+
+    Returns:
+        The pipeline layout under PP, else None.
+    """
     if dims.tp > 1:
         check_tp_plan(plan.tensor_parallel, dims.tp, loss_parallel=config.loss_parallel)
+    if dims.pp == 1:
+        return None
+    if plan.pipeline is None:
+        raise ValueError(f"pipeline_parallel_size={dims.pp}, but the module's parallel_plan() declares no pipeline plan; "
+                         "set pipeline_parallel_size=1 or add one (see llama_module/plan.py).")
+    if config.compile and config.pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
+        raise ValueError(f"pipeline_schedule={config.pipeline.schedule!r} splits backward into input and weight passes, "
+                         "which torch does not support for compiled stages; use compile=False or a schedule such as "
+                         "'Interleaved1F1B'.")
+    return config.pipeline.resolve(len(plan.blocks))
 
 
 def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config: ParallelizeConfig,
-                device: torch.device) -> None:
+                device: torch.device) -> ParallelizedModel:
     """Parallelize ``plan.model`` in place (it is on the meta device), then materialize it.
 
-    Order matters: TP first, so every later wrapper sees the final parameter placements; compile
-    after the module structure is final and before FSDP, so FSDP's hooks stay outside the compiled
-    graphs (and names stay free of ``_orig_mod``); FSDP last among the wrappers; materialization at
-    the end, so that only shards are ever allocated.
+    Order matters: the pipeline split first, on the meta model, so each stage keeps the full
+    model's parameter names; TP next, so every later wrapper sees the final parameter placements;
+    compile after the module structure is final and before FSDP, so FSDP's hooks stay outside the
+    compiled graphs (and names stay free of ``_orig_mod``); FSDP last among the wrappers, with one
+    root per stage, since each stage's forward is called on its own; materialization at the end, so
+    that only shards are ever allocated.
     """
-    check_plan(plan, dims, config)
-    if dims.tp > 1:
-        assert plan.tensor_parallel is not None
-        apply_tp(plan.model, mesh["tp"], plan.tensor_parallel, sequence_parallel=config.sequence_parallel,
-                 loss_parallel=config.loss_parallel, async_tp=config.async_tp)
-    if config.compile:
-        apply_compile(plan.model, plan.blocks)
+    layout = check_plan(plan, dims, config)
+    parts = [plan.model]
+    if layout is not None:
+        assert plan.pipeline is not None
+        per_stage = stage_module_names(plan.blocks, plan.pipeline, layout)
+        parts = split_for_rank(plan.model, per_stage, layout.stages_of(mesh["pp"].get_local_rank()))
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.hsdp_enabled else mesh["dp_shard_cp"]
-    apply_fsdp(plan.model, _resolve_units(plan), dp_mesh, param_dtype=config.param_dtype,
-               reduce_dtype=config.reduce_dtype, reshard_after_forward=config.reshard_after_forward)
+    # Under PP every stage runs several microbatch forwards before their backwards; resharding after
+    # each would all-gather the same weights once per microbatch, so "default" keeps them gathered.
+    reshard = "never" if layout is not None and config.reshard_after_forward == "default" else \
+        config.reshard_after_forward
+    for part in parts:
+        if dims.tp > 1:
+            assert plan.tensor_parallel is not None
+            apply_tp(part, mesh["tp"], plan.tensor_parallel, sequence_parallel=config.sequence_parallel,
+                     loss_parallel=config.loss_parallel, async_tp=config.async_tp)
+        if config.compile:
+            apply_compile(part, tuple(block for block in plan.blocks if has_submodule(part, block)))
+        apply_fsdp(part, _resolve_units(plan, part), dp_mesh, param_dtype=config.param_dtype,
+                   reduce_dtype=config.reduce_dtype, reshard_after_forward=reshard)
+    # plan.model holds every part's parameters under their full-model names, so initialization
+    # by (seed, name) gives each stage the weights of the unsplit model.
     materialize(plan.model, device, plan.init_weights)
+    return ParallelizedModel(parts=parts, layout=layout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
@@ -44,8 +45,13 @@ def check_sequence_length(seq_len: int, tp: int) -> None:
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, *, sequence_parallel: bool,
              loss_parallel: bool, async_tp: bool) -> None:
-    """Shard ``model`` over ``tp_mesh`` following the plan's styles (the model is still on meta)."""
-    parallelize_module(model, tp_mesh, plan.styles(sequence_parallel, loss_parallel))
+    """Shard ``model`` over ``tp_mesh`` following the plan's styles (the model is still on meta).
+
+    Patterns that match nothing (a pipeline stage lacks the embedding, say) are skipped.
+    """
+    styles = {pattern: style for pattern, style in plan.styles(sequence_parallel, loss_parallel).items()
+              if _matches_a_submodule(model, pattern.split("."))}
+    parallelize_module(model, tp_mesh, styles)
     if async_tp:
         # Inductor's micro-pipeline pass rewrites all-gather+matmul and matmul+reduce-scatter into
         # overlapped kernels; they exchange data through symmetric memory of the TP group.
@@ -55,6 +61,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, *,
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)
     log.info("Applied %s tensor parallelism over %d ranks (loss parallel %s%s)",
              "sequence +" if sequence_parallel else "", tp_mesh.size(), loss_parallel, ", async" if async_tp else "")
+
+
+def _matches_a_submodule(module: nn.Module, parts: list[str]) -> bool:
+    if not parts:
+        return True
+    return any(_matches_a_submodule(child, parts[1:]) for name, child in module.named_children()
+               if fnmatch.fnmatch(name, parts[0]))
 
 
 @contextmanager

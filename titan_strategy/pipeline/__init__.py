@@ -1,0 +1,2 @@
+"""Pipeline parallelism: the layout (``layout``), FQN-stable stage splitting (``split``) and the
+schedule run inside Lightning's loop (``runner``)."""
