@@ -274,8 +274,8 @@ class TitanStrategy(ParallelStrategy):
         assert self._plan is not None and self._plan.pipeline is not None
         module = self.lightning_module
         loss_fn = getattr(module, "pipeline_loss", None) or token_cross_entropy
-        self._pipeline = PipelineRunner(stage_modules, layout, self.pipeline, self._plan.pipeline, loss_fn,
-                                        self.device_mesh["pp"], self.root_device)
+        self._pipeline = PipelineRunner(self._plan.model, stage_modules, layout, self.pipeline, self._plan.pipeline,
+                                        loss_fn, self.device_mesh["pp"], self.root_device)
         precision.grad_norm_group = self.device_mesh["pp"].get_group()
 
     # ---- steps: loss parallel around forward+loss and around backward -----------------------------
@@ -312,6 +312,19 @@ class TitanStrategy(ParallelStrategy):
         loss = self._pipeline.train_step(batch, starts_accumulation=batch_idx % accumulate == 0, accumulate=accumulate)
         self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.end_evaluation()
+
+    @override
+    def on_test_end(self) -> None:
+        self.on_validation_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self.on_validation_end()
 
     def _pipeline_eval_step(self, stage: Literal["val", "test"]) -> Callable[..., Tensor]:
         def step(batch: Any, *args: Any) -> Tensor:

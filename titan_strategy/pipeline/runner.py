@@ -48,10 +48,68 @@ class _Stage(PipelineStage):
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
 
+# Wire format of an activation header: ndim, then the shape padded to _MAX_DIMS, then a dtype code.
+_MAX_DIMS = 6
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+
+
+class _ForwardPipeline:
+    """Forward-only evaluation: each local stage runs every microbatch in turn, in stage order.
+
+    torch's ``schedule.eval()`` still runs the backward actions of V-schedules and fails, and its
+    runtime refuses a forward-only order; this needs only point-to-point sends, so it behaves the
+    same for every schedule, placement (loop or V) and torch version.
+    """
+
+    def __init__(self, stage_modules: list[nn.Module], stage_ids: list[int], layout: PipelineLayout,
+                 group: dist.ProcessGroup, device: torch.device) -> None:
+        self._stages = list(zip(stage_ids, stage_modules))
+        self._layout = layout
+        self._group = group
+        self._device = device
+        self._rank = dist.get_rank(group)
+
+    def run(self, inputs: Tensor | None) -> list[Any]:
+        """Outputs of the last stage per microbatch (empty on ranks without it)."""
+        microbatches = self._layout.microbatches
+        carried: list[Any] = list(inputs.tensor_split(microbatches)) if inputs is not None else []
+        sends: list[dist.Work] = []
+        previous = -1
+        for stage, module in self._stages:
+            local_input = stage == 0 or previous == stage - 1
+            outputs = [module(carried[i] if local_input else self._recv(self._layout.ranks[stage - 1]))
+                       for i in range(microbatches)]
+            next_rank = self._layout.ranks[stage + 1] if stage + 1 < self._layout.num_stages else self._rank
+            if next_rank != self._rank:
+                for output in outputs:
+                    sends.extend(self._send(output, next_rank))
+            carried, previous = outputs, stage
+        for work in sends:
+            work.wait()
+        return carried if previous == self._layout.num_stages - 1 else []
+
+    def _send(self, tensor: Tensor, rank: int) -> list[dist.Work]:
+        header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
+        header[0], header[1 : 1 + tensor.ndim] = tensor.ndim, torch.tensor(tensor.shape)
+        header[-1] = _DTYPES.index(tensor.dtype)
+        tensor = tensor.contiguous()
+        return [dist.isend(header.to(self._device), group=self._group, group_dst=rank),
+                dist.isend(tensor, group=self._group, group_dst=rank)]
+
+    def _recv(self, rank: int) -> Tensor:
+        header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self._device)
+        dist.recv(header, group=self._group, group_src=rank)
+        ndim, shape = int(header[0]), header[1:-1].tolist()
+        tensor = torch.empty(shape[:ndim], dtype=_DTYPES[int(header[-1])], device=self._device)
+        dist.recv(tensor, group=self._group, group_src=rank)
+        return tensor
+
+
 class PipelineRunner:
     """The pipeline schedules of this rank's stages, for training and for forward-only evaluation.
 
     Args:
+        model: the pruned model that owns every stage's parameters (registered in the LightningModule).
         stage_modules: this rank's stage modules, in the order of ``layout.stages_of(pp rank)``.
         layout: the resolved pipeline layout.
         config: the pipeline knobs (the schedule name).
@@ -61,8 +119,9 @@ class PipelineRunner:
         device: where activations live.
     """
 
-    def __init__(self, stage_modules: list[nn.Module], layout: PipelineLayout, config: PipelineConfig,
-                 plan: PipelinePlan, loss_fn: LossFn, pp_mesh: DeviceMesh, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, stage_modules: list[nn.Module], layout: PipelineLayout,
+                 config: PipelineConfig, plan: PipelinePlan, loss_fn: LossFn, pp_mesh: DeviceMesh,
+                 device: torch.device) -> None:
         self.stage_modules = stage_modules
         self.layout = layout
         self._plan = plan
@@ -72,12 +131,16 @@ class PipelineRunner:
         stage_ids = layout.stages_of(pp_mesh.get_local_rank())
         self._holds_first = 0 in stage_ids
         self._holds_last = layout.num_stages - 1 in stage_ids
-        self._parameters = list({id(p): p for m in stage_modules for p in m.parameters()}.values())
+        self._parameters = list(model.parameters())
+        # The containers that stage views copied: Lightning's train()/eval() of the LightningModule
+        # reaches every shared submodule but not these, so the runner sets their mode.
+        registered = {id(m) for m in model.modules()}
+        self._view_containers = [m for part in stage_modules for m in part.modules() if id(m) not in registered]
+        self._mode_before_eval: list[bool] | None = None
         self._loss_scale = 1.0
         self._set_aside: list[tuple[nn.Parameter, Tensor]] = []
-        # Evaluation gets its own stages: its forward-only buffers never mix with training's.
-        self._train_schedule = self._build_schedule(config.schedule, stage_ids)
-        self._eval_schedule = self._build_schedule(config.schedule, stage_ids)
+        self._schedule = self._build_schedule(config.schedule, stage_ids)
+        self._forward_only = _ForwardPipeline(stage_modules, stage_ids, layout, self._group, device)
         log.info("Pipeline stages %s of %d on this rank (%s, %d microbatches)", stage_ids, layout.num_stages,
                  config.schedule, layout.microbatches)
 
@@ -105,13 +168,16 @@ class PipelineRunner:
         if starts_accumulation:  # Lightning zeroes only after training_step: drop the last window's gradients now
             for param in self._parameters:
                 param.grad = None
-        self._set_mode(training=True)
+        self._set_view_mode(training=True)
+        inputs, target = self._split(batch)
         self._loss_scale = 1.0 / (self.layout.microbatches * accumulate)
-        losses = self._run(self._train_schedule, batch)
+        losses: list[Tensor] = []
+        args = (inputs,) if self._holds_first else ()
+        self._schedule.step(*args, **({"target": target, "losses": losses} if self._holds_last else {}))
         self._set_aside = [(p, p.grad) for p in self._parameters if p.grad is not None]
         for param, _ in self._set_aside:
             param.grad = None
-        return losses * accumulate
+        return self._broadcast_loss(losses) * accumulate
 
     def restore_gradients(self) -> None:
         """Give back the gradients ``train_step`` set aside (called from the strategy's backward)."""
@@ -121,46 +187,38 @@ class PipelineRunner:
 
     @torch.no_grad()
     def eval_step(self, batch: Any) -> Tensor:
-        """Forward-only schedule; returns the batch's mean loss, equal on every pp rank."""
-        self._set_mode(training=False)
+        """Forward only; returns the batch's mean loss, equal on every pp rank."""
+        self._enter_evaluation()
+        inputs, target = self._split(batch)
         self._loss_scale = 1.0 / self.layout.microbatches
-        return self._run(self._eval_schedule, batch)
+        outputs = self._forward_only.run(inputs if self._holds_first else None)
+        targets = target.tensor_split(self.layout.microbatches) if self._holds_last else []
+        return self._broadcast_loss([self._scaled_loss(out, tgt) for out, tgt in zip(outputs, targets)])
 
     @torch.no_grad()
     def predict_step(self, batch: Any) -> Tensor:
-        """Forward-only schedule without loss; returns the last stage's output on every pp rank."""
-        self._set_mode(training=False)
-        inputs, _ = self._plan.split_batch(batch)
-        self._check_divisible(inputs)
-        output = self._eval_schedule.eval(inputs) if self._holds_first else self._eval_schedule.eval()
-        return self._broadcast_output(as_local_loss(output) if self._holds_last else None)
+        """Forward only; returns the last stage's output for the batch, on every pp rank."""
+        self._enter_evaluation()
+        inputs, _ = self._split(batch)
+        outputs = self._forward_only.run(inputs if self._holds_first else None)
+        merged = torch.cat([as_local_loss(out) for out in outputs]) if self._holds_last else None
+        return self._broadcast_output(merged)
 
-    def _run(self, schedule: Any, batch: Any) -> Tensor:
+    def _split(self, batch: Any) -> tuple[Tensor, Tensor | None]:
         inputs, target = self._plan.split_batch(batch)
-        self._check_divisible(inputs)
-        args = (inputs,) if self._holds_first else ()
-        losses: list[Tensor] = []
-        kwargs = {"target": target, "losses": losses} if self._holds_last else {}
-        if schedule is self._eval_schedule:
-            schedule.eval(*args, **kwargs)
-        else:
-            schedule.step(*args, **kwargs)
-        total = torch.stack([loss.detach() for loss in losses]).sum() if self._holds_last else \
-            torch.zeros((), device=self._device)
-        dist.broadcast(total, group=self._group, group_src=self.layout.ranks[-1])
-        return total
-
-    def _check_divisible(self, inputs: Tensor) -> None:
         batch_size, microbatches = inputs.shape[0], self.layout.microbatches
         if batch_size % microbatches:
             raise ValueError(f"A batch of {batch_size} samples cannot be split into pipeline_microbatches={microbatches} "
                              "equal microbatches; use a per-rank batch size divisible by it (and drop_last=True), or "
                              "change pipeline_microbatches.")
+        return inputs, target
 
-    def _set_mode(self, training: bool) -> None:
-        # Stage views are not registered in the LightningModule, so its train()/eval() misses them.
-        for module in self.stage_modules:
-            module.train(training)
+    def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
+        """Sum of the (already scaled) microbatch losses, sent from the last stage to every pp rank."""
+        total = torch.stack([loss.detach() for loss in losses]).sum() if self._holds_last else \
+            torch.zeros((), device=self._device)
+        dist.broadcast(total, group=self._group, group_src=self.layout.ranks[-1])
+        return total
 
     def _broadcast_output(self, output: Tensor | None) -> Tensor:
         source = self.layout.ranks[-1]
@@ -170,3 +228,21 @@ class PipelineRunner:
         buffer = output.contiguous() if output is not None else torch.empty(shape, dtype=dtype, device=self._device)
         dist.broadcast(buffer, group=self._group, group_src=source)
         return buffer
+
+    # ---- train/eval mode of the stage views -------------------------------------------------------
+
+    def end_evaluation(self) -> None:
+        """Put the stage views back in the mode they had before validation, test or predict."""
+        if self._mode_before_eval is not None:
+            for module, training in zip(self._view_containers, self._mode_before_eval):
+                module.training = training
+            self._mode_before_eval = None
+
+    def _enter_evaluation(self) -> None:
+        if self._mode_before_eval is None:
+            self._mode_before_eval = [m.training for m in self._view_containers]
+        self._set_view_mode(training=False)
+
+    def _set_view_mode(self, training: bool) -> None:
+        for module in self._view_containers:
+            module.training = training
