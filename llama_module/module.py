@@ -88,6 +88,14 @@ class LlamaModule(L.LightningModule):
         loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
 
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
+        self.log("test_loss", loss, prog_bar=True, sync_dist=True)
+
+    def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        """Next-token logits (bs, seqlen, vocab_size) of ``batch["input_ids"]``."""
+        return self(batch["input_ids"])
+
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         fused = self.fused_adamw if self.fused_adamw is not None else self.device.type == "cuda"

@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
@@ -59,6 +59,28 @@ class SelfShardedLlama(LlamaModule):
         fully_shard(self.model, mesh=mesh)
 
     parallel_plan = None  # type: ignore[assignment]  # declares no plan, so the strategy leaves it alone
+
+
+class DefaultPipelineLoss(LlamaModule):
+    """Leaves the pipeline loss to TitanStrategy's default (token cross-entropy)."""
+
+    pipeline_loss = None  # type: ignore[assignment]
+
+
+def _lightning_callbacks(out_dir: Path) -> list[Callback]:
+    """Callbacks that read ``train_loss``: best-k checkpoints and early stopping at every epoch end."""
+    return [ModelCheckpoint(dirpath=out_dir / "checkpoints", monitor="train_loss", save_top_k=2, every_n_train_steps=2),
+            EarlyStopping(monitor="train_loss", patience=0, check_on_train_epoch_end=True)]
+
+
+def _evaluate(trainer: L.Trainer, model: L.LightningModule, spec: dict[str, Any]) -> dict[str, Any]:
+    """trainer.test and trainer.predict after fit, on the validation sequences."""
+    loader = DataLoader(AffineSequences(64, 32, TINY.vocab_size, seed=99), batch_size=spec["batch_size"])
+    [tested] = trainer.test(model, dataloaders=loader, verbose=False)
+    predictions = trainer.predict(model, dataloaders=loader)
+    return {"test_loss": tested["test_loss"],
+            "prediction_shape": list(predictions[0].shape),
+            "prediction_abs_sum": float(sum(p.double().abs().sum() for p in predictions))}
 
 
 COUNTED_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
@@ -116,16 +138,19 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     else:
         strategy = TitanStrategy(**spec.get("strategy", {}), timeout_seconds=60)
     recorder = Recorder(spec.get("save_at"), spec.get("save_path"))
+    callbacks = [recorder, *(_lightning_callbacks(out_dir) if spec.get("lightning_callbacks") else [])]
     trainer = L.Trainer(
         accelerator=spec.get("accelerator", "cpu"), devices=spec.get("devices", 1), strategy=strategy, precision=spec.get("precision", "32-true"),
         max_steps=spec["steps"], accumulate_grad_batches=spec.get("accumulate", 1),
-        gradient_clip_val=spec.get("clip"), callbacks=[recorder], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=2 if spec.get("validate") else 0,
+        gradient_clip_val=spec.get("clip"), callbacks=callbacks, logger=False,
+        enable_checkpointing=bool(spec.get("lightning_callbacks")), enable_progress_bar=bool(spec.get("progress_bar")),
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2 if spec.get("validate") else 0,
+        limit_test_batches=2, limit_predict_batches=2,
         val_check_interval=spec.get("val_every", spec["steps"]) if spec.get("validate") else None,
         default_root_dir=str(out_dir),
     )
-    module_cls = SelfShardedLlama if spec.get("self_sharded") else LlamaModule
+    module_cls = SelfShardedLlama if spec.get("self_sharded") else \
+        DefaultPipelineLoss if spec.get("default_pipeline_loss") else LlamaModule
     model_args = dict(lr=spec.get("lr", 3e-3), warmup_steps=2, decay_steps=100)
     if spec.get("data") == "text":
         model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "vocab_size": 8448}), **model_args)
@@ -139,7 +164,14 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
         val_loader = DataLoader(AffineSequences(64, 32, TINY.vocab_size, seed=99), batch_size=spec["batch_size"])
         trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.get("resume_from"))
     result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
-              "hook_calls": recorder.hook_calls, "training_mode_after_validation": recorder.training_mode_after_validation}
+              "hook_calls": recorder.hook_calls, "training_mode_after_validation": recorder.training_mode_after_validation,
+              "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step}
+    if spec.get("lightning_callbacks"):
+        checkpoint = trainer.checkpoint_callback
+        result |= {"best_model_score": float(checkpoint.best_model_score),
+                   "best_k_models": sorted(Path(path).name for path in checkpoint.best_k_models)}
+    if spec.get("evaluate"):
+        result |= _evaluate(trainer, model, spec)
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

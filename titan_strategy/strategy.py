@@ -30,13 +30,14 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
+from titan_strategy.checkpoint import optimizer_state_dict
 from titan_strategy.checkpoint import save_checkpoint as save_dcp_checkpoint
 from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
 from titan_strategy.parallelize import ParallelizeConfig, parallelize
 from titan_strategy.parallelize.fsdp import ReshardPolicy
 from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
 from titan_strategy.parallelize.tensor_parallel import as_local_loss, check_sequence_length, loss_parallel_context
-from titan_strategy.pipeline.layout import PIPELINE_SCHEDULES, PipelineConfig, PipelineLayout
+from titan_strategy.pipeline.layout import PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineConfig, PipelineLayout
 from titan_strategy.pipeline.runner import PipelineRunner, token_cross_entropy
 from titan_strategy.plan import ParallelPlan, PlannedModule
 from titan_strategy.precision import SUPPORTED_PRECISION, TitanPrecision
@@ -112,7 +113,7 @@ class TitanStrategy(ParallelStrategy):
             stages_per_rank=pipeline_stages_per_rank, layers_per_stage=pipeline_layers_per_stage,
             split_points=tuple(pipeline_split_points) if pipeline_split_points is not None else None,
         )
-        _check_compile_knobs(compile, tensor_parallel_size, async_tensor_parallel)
+        _check_compile_knobs(compile, tensor_parallel_size, async_tensor_parallel, self.pipeline)
         self._degrees = {"dp_replicate": data_parallel_replicate_size, "dp_shard": data_parallel_shard_size,
                          "cp": context_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
         self.fsdp_reshard_after_forward: ReshardPolicy = fsdp_reshard_after_forward
@@ -193,7 +194,8 @@ class TitanStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-        self._mesh = build_mesh(self.parallel_dims, self.root_device.type)
+        if self._mesh is None:  # a later trainer.validate/test/predict keeps the mesh the model is sharded on
+            self._mesh = build_mesh(self.parallel_dims, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._mesh
 
@@ -234,17 +236,8 @@ class TitanStrategy(ParallelStrategy):
         precision = self.precision_plugin
         assert isinstance(precision, TitanPrecision)
         if isinstance(module, PlannedModule):
-            self._check_supported_degrees()
-            config = ParallelizeConfig(
-                param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-                reshard_after_forward=self.fsdp_reshard_after_forward, sequence_parallel=self.sequence_parallel,
-                loss_parallel=self.loss_parallel, async_tp=self.async_tensor_parallel, compile=self.compile,
-                pipeline=self.pipeline,
-            )
-            self._plan = module.parallel_plan()
-            parallelized = parallelize(self._plan, self.device_mesh, self.parallel_dims, config, self.root_device)
-            if parallelized.layout is not None:
-                self._setup_pipeline(parallelized.parts, parallelized.layout, precision)
+            if self._plan is None or self._plan.model not in module.modules():  # not parallelized by an earlier run
+                self._parallelize(module, precision)
         else:
             # A module that parallelized itself keeps Lightning's semantics: reset_parameters() and autocast.
             precision.use_autocast = True
@@ -268,6 +261,19 @@ class TitanStrategy(ParallelStrategy):
             raise ValueError(f"pipeline_parallel_size={self.parallel_dims.pp} runs forward and backward inside the "
                              "pipeline schedule, which needs Lightning's automatic optimization; remove "
                              "`self.automatic_optimization = False` or set pipeline_parallel_size=1.")
+
+    def _parallelize(self, module: PlannedModule, precision: TitanPrecision) -> None:
+        self._check_supported_degrees()
+        config = ParallelizeConfig(
+            param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+            reshard_after_forward=self.fsdp_reshard_after_forward, sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel, async_tp=self.async_tensor_parallel, compile=self.compile,
+            pipeline=self.pipeline,
+        )
+        self._plan = module.parallel_plan()
+        parallelized = parallelize(self._plan, self.device_mesh, self.parallel_dims, config, self.root_device)
+        if parallelized.layout is not None:
+            self._setup_pipeline(parallelized.parts, parallelized.layout, precision)
 
     def _setup_pipeline(self, stage_modules: list[torch.nn.Module], layout: PipelineLayout,
                         precision: TitanPrecision) -> None:
@@ -417,6 +423,13 @@ class TitanStrategy(ParallelStrategy):
             group = self._mesh["loss"].get_group()
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Agree over *every* rank (ModelCheckpoint, EarlyStopping): ``reduce`` alone spans only the ``loss`` mesh."""
+        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), group=dist.group.WORLD,
+                            reduce_op=ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes)
+
     # ---- checkpoints ------------------------------------------------------------------------------
 
     @override
@@ -427,9 +440,7 @@ class TitanStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        return optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -500,7 +511,8 @@ def _check_knobs(reshard: str, timeout_seconds: float) -> None:
         raise ValueError(f"timeout_seconds={timeout_seconds!r} must be > 0.")
 
 
-def _check_compile_knobs(compile: bool, tensor_parallel_size: int, async_tensor_parallel: bool) -> None:
+def _check_compile_knobs(compile: bool, tensor_parallel_size: int, async_tensor_parallel: bool,
+                         pipeline: PipelineConfig) -> None:
     if compile and tensor_parallel_size > 1 and _COMPILED_TP_IS_BROKEN:
         raise ValueError(
             f"compile=True with tensor_parallel_size={tensor_parallel_size} gives wrong gradients on torch "
@@ -510,6 +522,10 @@ def _check_compile_knobs(compile: bool, tensor_parallel_size: int, async_tensor_
     if async_tensor_parallel and not compile:
         raise ValueError("async_tensor_parallel=True needs compile=True: AsyncTP is an inductor pass over "
                          "compiled blocks. Set compile=True, or async_tensor_parallel=False.")
+    if compile and pipeline.size > 1 and pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
+        raise ValueError(f"pipeline_schedule={pipeline.schedule!r} splits backward into input- and weight-gradient "
+                         "passes, which torch refuses for compiled stages; use compile=False, or a schedule such as "
+                         "'Interleaved1F1B'.")
 
 
 def _to_titan_precision(plugin: Precision | None) -> TitanPrecision | None:

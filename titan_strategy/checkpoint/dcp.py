@@ -26,10 +26,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-__all__ = ["LIGHTNING_STATE_FILE", "is_titan_checkpoint", "save_checkpoint", "load_checkpoint"]
+__all__ = ["LIGHTNING_STATE_FILE", "is_titan_checkpoint", "optimizer_state_dict", "save_checkpoint", "load_checkpoint"]
 
 LIGHTNING_STATE_FILE = "lightning_state.pt"
 _DATA_WORLD_KEY = "titan_batch_world_size"
+# One entry per parameter name, hyper-parameters included: pipeline ranks hold different parameters,
+# and a nested param_groups list (saved once, by rank 0) would name only rank 0's.
+_OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def optimizer_state_dict(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, as saved and loaded here."""
+    return get_optimizer_state_dict(module, optimizer, options=_OPTIMIZER_OPTIONS)
 
 
 def is_titan_checkpoint(path: Path) -> bool:
@@ -94,7 +102,7 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: list[Optimizer], 
                             weights_only=True if weights_only is None else weights_only)
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     for index, optimizer in enumerate(optimizers):
-        state[f"optimizer_{index}"] = get_optimizer_state_dict(module, optimizer)
+        state[f"optimizer_{index}"] = optimizer_state_dict(module, optimizer)
     loop_state = _loader_state_slot(checkpoint)
     saved_world = checkpoint.pop(_DATA_WORLD_KEY)
     # Decided from what the checkpoint holds, not from this rank's key, so that every rank takes the
@@ -111,7 +119,7 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: list[Optimizer], 
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"])
+        set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"], options=_OPTIMIZER_OPTIONS)
     if restore_loader:
         loop_state["combined_loader"] = torch.load(io.BytesIO(state[_dataloader_key(batch_rank)]), weights_only=True)
     return checkpoint

@@ -12,7 +12,7 @@ from titan_strategy.parallelize.compile import apply_compile
 from titan_strategy.parallelize.fsdp import ReshardPolicy, apply_fsdp
 from titan_strategy.parallelize.materialize import materialize
 from titan_strategy.parallelize.tensor_parallel import apply_tp, check_tp_plan
-from titan_strategy.pipeline.layout import ZERO_BUBBLE_SCHEDULES, PipelineConfig, PipelineLayout
+from titan_strategy.pipeline.layout import PipelineConfig, PipelineLayout
 from titan_strategy.pipeline.split import has_submodule, split_for_rank, stage_module_names
 from titan_strategy.plan import ParallelPlan
 
@@ -69,10 +69,6 @@ def check_plan(plan: ParallelPlan, dims: ParallelDims, config: ParallelizeConfig
     if plan.pipeline is None:
         raise ValueError(f"pipeline_parallel_size={dims.pp}, but the module's parallel_plan() declares no pipeline plan; "
                          "set pipeline_parallel_size=1 or add one (see llama_module/plan.py).")
-    if config.compile and config.pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
-        raise ValueError(f"pipeline_schedule={config.pipeline.schedule!r} splits backward into input and weight passes, "
-                         "which torch does not support for compiled stages; use compile=False or a schedule such as "
-                         "'Interleaved1F1B'.")
     return config.pipeline.resolve(len(plan.blocks))
 
 
