@@ -30,6 +30,14 @@ def test_bad_layout_fails_in_trainer_init_without_launching_or_writing(strategy:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"pipeline_schedule": "Zigzag"}, r"pipeline_schedule='Zigzag' is unknown; choose one of \['GPipe', '1F1B'"),
     ({"pipeline_microbatches": 0}, r"pipeline_microbatches=0 must be a positive integer"),
+    ({"pipeline_stages_per_rank": 3, "pipeline_schedule": "ZBVZeroBubble"},
+     r"pipeline_schedule='ZBVZeroBubble' places exactly 2 stages per rank in a V, but pipeline_stages_per_rank=3"),
+    ({"pipeline_stages_per_rank": 2, "pipeline_schedule": "1F1B"},
+     r"pipeline_schedule='1F1B' runs one stage per rank, but pipeline_stages_per_rank=2; use 1, or a multi-stage"),
+    ({"pipeline_layers_per_stage": 2, "pipeline_split_points": [2]}, r"Set pipeline_layers_per_stage or pipeline_split"),
+    ({"pipeline_split_points": [4, 2]}, r"pipeline_split_points=\[4, 2\] must be strictly increasing"),
+    ({"pipeline_parallel_size": 2, "pipeline_schedule": "DualPipeV", "compile": True},
+     r"pipeline_schedule='DualPipeV' splits backward .* refuses for compiled stages; use compile=False"),
     ({"fsdp_reshard_after_forward": "sometimes"}, r"fsdp_reshard_after_forward='sometimes' must be one of"),
     ({"timeout_seconds": 0}, r"timeout_seconds=0 must be > 0"),
 ])
@@ -40,7 +48,7 @@ def test_bad_knobs_fail_at_construction(kwargs: dict, message: str) -> None:
 
 def test_every_documented_schedule_is_accepted() -> None:
     for schedule in PIPELINE_SCHEDULES:
-        assert TitanStrategy(pipeline_schedule=schedule).pipeline_schedule == schedule
+        assert TitanStrategy(pipeline_schedule=schedule).pipeline.schedule == schedule
 
 
 @pytest.mark.parametrize(("precision", "expected"), [("32-true", None), ("bf16-mixed", "bfloat16")])
@@ -64,4 +72,4 @@ def test_registered_name_gives_the_contract_defaults(tmp_path: Path) -> None:
     assert isinstance(strategy, TitanStrategy)
     dims = strategy.parallel_dims
     assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp) == (1, 4, 1, 1, 1)
-    assert strategy.pipeline_schedule == "1F1B" and strategy.is_distributed
+    assert strategy.pipeline.schedule == "1F1B" and strategy.is_distributed

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-__all__ = ["PIPELINE_SCHEDULES", "PipelineConfig", "PipelineLayout", "ScheduleName"]
+__all__ = ["PIPELINE_SCHEDULES", "PipelineConfig", "PipelineLayout", "ScheduleName", "check_microbatch_split"]
 
 ScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                        "DualPipeV"]
@@ -158,6 +158,14 @@ class PipelineConfig:
                 raise ValueError(f"pipeline_schedule={self.schedule!r} runs microbatches in rounds of "
                                  f"pipeline_parallel_size={self.size}; pipeline_microbatches={microbatches} is not a "
                                  f"multiple of its {rounds} rounds. Use a multiple of {self.size}.")
+
+
+def check_microbatch_split(batch_size: int, microbatches: int) -> None:
+    """A Lightning batch must split into equal microbatches (the loss is a mean of their means)."""
+    if batch_size % microbatches:
+        raise ValueError(f"A batch of {batch_size} samples cannot be split into pipeline_microbatches={microbatches} "
+                         "equal microbatches; use a per-rank batch size divisible by it (and drop_last=True), or change "
+                         "pipeline_microbatches.")
 
 
 def _even_sizes(num_blocks: int, num_stages: int) -> list[int]:

@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from titan_strategy.parallelize.tensor_parallel import as_local_loss
-from titan_strategy.pipeline.layout import PipelineConfig, PipelineLayout
+from titan_strategy.pipeline.layout import PipelineConfig, PipelineLayout, check_microbatch_split
 from titan_strategy.plan import PipelinePlan
 
 __all__ = ["PipelineRunner", "LossFn", "token_cross_entropy"]
@@ -206,11 +206,7 @@ class PipelineRunner:
 
     def _split(self, batch: Any) -> tuple[Tensor, Tensor | None]:
         inputs, target = self._plan.split_batch(batch)
-        batch_size, microbatches = inputs.shape[0], self.layout.microbatches
-        if batch_size % microbatches:
-            raise ValueError(f"A batch of {batch_size} samples cannot be split into pipeline_microbatches={microbatches} "
-                             "equal microbatches; use a per-rank batch size divisible by it (and drop_last=True), or "
-                             "change pipeline_microbatches.")
+        check_microbatch_split(inputs.shape[0], self.layout.microbatches)
         return inputs, target
 
     def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
