@@ -165,7 +165,8 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
         trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.get("resume_from"))
     result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
               "hook_calls": recorder.hook_calls, "training_mode_after_validation": recorder.training_mode_after_validation,
-              "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step}
+              "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step,
+              "batch_rank": trainer.strategy.distributed_sampler_kwargs["rank"] if trainer.world_size > 1 else 0}
     if spec.get("lightning_callbacks"):
         checkpoint = trainer.checkpoint_callback
         result |= {"best_model_score": float(checkpoint.best_model_score),

@@ -1,0 +1,153 @@
+"""Pipeline parallelism inside Lightning's loop (CPU/gloo, fp32) against a single-process run.
+
+Each run trains 10 steps, validates at steps 5 and 10, then runs ``trainer.test`` and
+``trainer.predict``: losses, gradient norms (clipping at 1.0 is active), val/test losses, predictions
+and the number of times each Lightning hook ran must match the unpipelined run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import launch
+from tests.test_parity import GLOBAL_BATCH, STEPS, _assert_close_per_step, _assert_identical_on_all_ranks, _series
+
+RTOL = 1e-5
+RUN = {"steps": STEPS, "clip": 1.0, "validate": True, "val_every": 5, "evaluate": True}
+
+
+def _reference(n_layers: int, tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> dict[str, Any]:
+    spec = {**RUN, "batch_size": GLOBAL_BATCH, "n_layers": n_layers}
+    return launch(1, spec, tmp_path_factory.mktemp(f"single_{n_layers}_layers"), env)[0]
+
+
+@pytest.fixture(scope="module")
+def single_4_layers(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> dict[str, Any]:
+    return _reference(4, tmp_path_factory, test_env)
+
+
+@pytest.fixture(scope="module")
+def single_8_layers(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> dict[str, Any]:
+    return _reference(8, tmp_path_factory, test_env)
+
+
+def _pp(size: int, schedule: str, **more: Any) -> dict[str, Any]:
+    return {"pipeline_parallel_size": size, "pipeline_schedule": schedule, **more}
+
+
+def _assert_matches(records: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    _assert_identical_on_all_ranks(records)
+    _assert_identical_on_all_ranks(records, "grad_norm")
+    _assert_close_per_step(_series(records[0], "train_loss"), _series(reference, "train_loss"), RTOL)
+    _assert_close_per_step(_series(records[0], "grad_norm"), _series(reference, "grad_norm"), RTOL)
+    for record in records:
+        assert record["val_losses"] == pytest.approx(reference["val_losses"], rel=RTOL)
+        assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=RTOL)
+        assert record["hook_calls"] == reference["hook_calls"]
+        # after each validation every module, the stage copies included, is back in training mode
+        assert record["training_mode_after_validation"] and all(record["training_mode_after_validation"])
+    # predict returns the last stage's logits on every rank; data-parallel ranks predict disjoint
+    # shares of the samples the single process predicts.
+    by_batch_rank = {record["batch_rank"]: record for record in records}
+    for record in records:
+        assert record["prediction_abs_sum"] == by_batch_rank[record["batch_rank"]]["prediction_abs_sum"]
+    [shape] = {tuple(r["prediction_shape"]) for r in records}
+    assert [shape[0] * len(by_batch_rank), *shape[1:]] == reference["prediction_shape"]
+    total = sum(r["prediction_abs_sum"] for r in by_batch_rank.values())
+    assert total == pytest.approx(reference["prediction_abs_sum"], rel=RTOL)
+
+
+@pytest.mark.parametrize(("strategy", "extra"), [
+    (_pp(2, "GPipe"), {"default_pipeline_loss": True}),
+    (_pp(2, "1F1B"), {}),
+    (_pp(2, "Interleaved1F1B"), {}),
+    (_pp(2, "LoopedBFS"), {}),
+    (_pp(2, "InterleavedZeroBubble"), {}),
+    (_pp(2, "ZBVZeroBubble"), {}),
+    (_pp(2, "DualPipeV"), {}),
+    (_pp(2, "1F1B", pipeline_split_points=[1], pipeline_microbatches=4), {}),
+], ids=["GPipe-default-loss", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+        "DualPipeV", "1F1B-uneven-split"])
+def test_every_schedule_at_pp2_matches_single_process(strategy: dict, extra: dict, single_4_layers: dict,
+                                                      tmp_path: Path, test_env: dict[str, str]) -> None:
+    spec = {**RUN, "batch_size": GLOBAL_BATCH, "n_layers": 4, "strategy": strategy, **extra}
+    _assert_matches(launch(2, spec, tmp_path, test_env), single_4_layers)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_pp4_matches_single_process(schedule: str, single_8_layers: dict, tmp_path: Path,
+                                    test_env: dict[str, str]) -> None:
+    spec = {**RUN, "batch_size": GLOBAL_BATCH, "n_layers": 8, "strategy": _pp(4, schedule)}
+    _assert_matches(launch(4, spec, tmp_path, test_env), single_8_layers)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_pp2_x_fsdp2_x_tp2_matches_single_process(schedule: str, single_4_layers: dict, tmp_path: Path,
+                                                  test_env: dict[str, str]) -> None:
+    # 3-D: FSDP shards each stage over 2 ranks, TP (with sequence and loss parallel) splits it over 2 more.
+    strategy = _pp(2, schedule, tensor_parallel_size=2, pipeline_microbatches=2)
+    spec = {**RUN, "batch_size": GLOBAL_BATCH // 2, "n_layers": 4, "strategy": strategy}
+    _assert_matches(launch(8, spec, tmp_path, test_env), single_4_layers)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_accumulation_and_clipping_match_a_twice_larger_batch(schedule: str, single_4_layers: dict, tmp_path: Path,
+                                                              test_env: dict[str, str]) -> None:
+    spec = {"steps": STEPS, "clip": 1.0, "batch_size": GLOBAL_BATCH // 2, "accumulate": 2, "n_layers": 4,
+            "strategy": _pp(2, schedule, pipeline_microbatches=4)}
+    records = launch(2, spec, tmp_path, test_env)
+    _assert_identical_on_all_ranks(records)
+    _assert_close_per_step(_series(records[0], "train_loss", 2), _series(single_4_layers, "train_loss"), RTOL)
+    # The norm is clipped at 1.0 over both stages' gradients: equal norms mean equal clipping.
+    _assert_close_per_step(_series(records[0], "grad_norm", 2), _series(single_4_layers, "grad_norm"), RTOL)
+
+
+@pytest.mark.parametrize("strategy", [_pp(2, "Interleaved1F1B"), {"tensor_parallel_size": 2}], ids=["pp2", "tp2"])
+def test_checkpoint_callback_and_early_stopping_decide_as_without_parallelism(strategy: dict, tmp_path: Path,
+                                                                              test_env: dict[str, str]) -> None:
+    # ModelCheckpoint keeps the best 2 by train_loss, EarlyStopping watches it at every epoch end (2
+    # steps), and the progress bar shows it. Their decisions are votes over every rank.
+    spec = {"steps": 8, "clip": 1.0, "batch_size": GLOBAL_BATCH, "n_layers": 4, "samples": 16,
+            "lightning_callbacks": True, "progress_bar": True}
+    [single] = launch(1, spec, tmp_path / "single", test_env)
+    records = launch(2, {**spec, "strategy": strategy}, tmp_path / "parallel", test_env)
+    for record in records:
+        assert record["global_step"] == single["global_step"]
+        assert record["best_k_models"] == single["best_k_models"]
+        assert record["best_model_score"] == pytest.approx(single["best_model_score"], rel=RTOL)
+        assert "train_loss" in record["progress_bar_metrics"]
+
+
+@pytest.mark.parametrize(("nproc", "strategy"), [(1, {}), (4, _pp(4, "1F1B"))], ids=["pp1", "pp4"])
+def test_checkpoint_from_pp2_resumes_under_another_pipeline_size(nproc: int, strategy: dict, tmp_path: Path,
+                                                                 test_env: dict[str, str]) -> None:
+    # 24 samples of batch 8: step 3 ends an epoch, where Lightning resumes map-style data exactly.
+    spec = {"steps": 6, "clip": 1.0, "batch_size": GLOBAL_BATCH, "n_layers": 4, "samples": 24}
+    checkpoint = tmp_path / "pp2.ckpt"
+    original = launch(2, {**spec, "strategy": _pp(2, "ZBVZeroBubble"), "save_at": 3, "save_path": str(checkpoint)},
+                      tmp_path / "pp2", test_env)
+    resumed = launch(nproc, {**spec, "strategy": strategy, "resume_from": str(checkpoint)}, tmp_path / "resumed",
+                     test_env)
+    _assert_identical_on_all_ranks(resumed)
+    expected = [s for s in original[0]["steps"] if s["step"] > 3]
+    assert [s["step"] for s in resumed[0]["steps"]] == [4, 5, 6]
+    for before, after in zip(expected, resumed[0]["steps"]):
+        assert after["train_loss"] == pytest.approx(before["train_loss"], rel=RTOL), (before, after)
+        assert after["grad_norm"] == pytest.approx(before["grad_norm"], rel=RTOL), (before, after)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"n_layers": 2, "batch_size": 8, "strategy": _pp(2, "Interleaved1F1B")},
+     "ValueError: The model has 2 blocks, fewer than the 4 pipeline stages"),
+    ({"n_layers": 4, "batch_size": 6, "strategy": _pp(2, "1F1B", pipeline_microbatches=4)},
+     "ValueError: A batch of 6 samples cannot be split into pipeline_microbatches=4"),
+], ids=["too-few-blocks", "indivisible-batch"])
+def test_bad_pipeline_input_fails_on_every_rank(spec: dict, message: str, tmp_path: Path,
+                                                test_env: dict[str, str]) -> None:
+    with pytest.raises(AssertionError) as failure:
+        launch(2, {"steps": 2, **spec}, tmp_path, test_env)
+    for rank in (0, 1):
+        assert f"[rank{rank}]: {message}" in str(failure.value)
