@@ -13,13 +13,21 @@ import yaml
 from tests.conftest import REPO, run_command
 
 
-def test_debug_config_trains_validates_and_checkpoints(tmp_path: Path, test_env: dict[str, str]) -> None:
+# The same config as a 2-stage pipeline: a V-schedule puts 2 of the 4 blocks' stages on each process.
+PIPELINE = ["--trainer.strategy.init_args.pipeline_parallel_size=2",
+            "--trainer.strategy.init_args.pipeline_schedule=ZBVZeroBubble"]
+
+
+@pytest.mark.parametrize("overrides", [[], PIPELINE], ids=["fsdp2", "pp2-zbv"])
+def test_debug_config_trains_validates_and_checkpoints(overrides: list[str], tmp_path: Path,
+                                                       test_env: dict[str, str]) -> None:
     # The installed console script; from a plain checkout (no pip install), the same entry point.
     titan = shutil.which("titan")
-    run_command([*([titan] if titan else [sys.executable, "-m", "llama_module.cli"]), "fit", "--config", str(REPO / "configs" / "debug.yaml"), "--trainer.max_steps=6",
+    run_command([*([titan] if titan else [sys.executable, "-m", "llama_module.cli"]), "fit", "--config",
+                 str(REPO / "configs" / "debug.yaml"), "--trainer.max_steps=6",
                  "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
                  f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-                 f"--trainer.logger.save_dir={tmp_path}", "--trainer.enable_progress_bar=false"],
+                 f"--trainer.logger.save_dir={tmp_path}", "--trainer.enable_progress_bar=false", *overrides],
                 test_env, tmp_path)
     [run_dir] = (tmp_path / "lightning_logs").iterdir()
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))

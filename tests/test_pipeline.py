@@ -105,6 +105,28 @@ def test_accumulation_and_clipping_match_a_twice_larger_batch(schedule: str, sin
     _assert_close_per_step(_series(records[0], "grad_norm", 2), _series(single_4_layers, "grad_norm"), RTOL)
 
 
+def test_compiled_stages_match_single_process(single_4_layers: dict, tmp_path: Path, test_env: dict[str, str]) -> None:
+    # Each stage's blocks are compiled one by one, as without PP.
+    spec = {"steps": STEPS, "clip": 1.0, "batch_size": GLOBAL_BATCH, "n_layers": 4,
+            "strategy": _pp(2, "Interleaved1F1B", compile=True)}
+    records = launch(2, spec, tmp_path, test_env)
+    _assert_identical_on_all_ranks(records)
+    _assert_close_per_step(_series(records[0], "train_loss"), _series(single_4_layers, "train_loss"), RTOL)
+    _assert_close_per_step(_series(records[0], "grad_norm"), _series(single_4_layers, "grad_norm"), RTOL)
+
+
+def test_bf16_mixed_pipeline_trains_close_to_fp32(single_4_layers: dict, tmp_path: Path,
+                                                  test_env: dict[str, str]) -> None:
+    # bf16 activations travel between stages; FSDP2 keeps fp32 master weights and reduces in fp32.
+    spec = {"steps": STEPS, "clip": 1.0, "batch_size": GLOBAL_BATCH, "n_layers": 4, "precision": "bf16-mixed",
+            "strategy": _pp(2, "ZBVZeroBubble")}
+    records = launch(2, spec, tmp_path, test_env)
+    _assert_identical_on_all_ranks(records)
+    bf16, fp32 = _series(records[0], "train_loss"), _series(single_4_layers, "train_loss")
+    assert bf16 != fp32
+    _assert_close_per_step(bf16, fp32, rtol=2e-2)
+
+
 @pytest.mark.parametrize("strategy", [_pp(2, "Interleaved1F1B"), {"tensor_parallel_size": 2}], ids=["pp2", "tp2"])
 def test_checkpoint_callback_and_early_stopping_decide_as_without_parallelism(strategy: dict, tmp_path: Path,
                                                                               test_env: dict[str, str]) -> None:
