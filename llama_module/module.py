@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from typing import Any
 
 import lightning as L

@@ -12,7 +12,6 @@ import yaml
 
 from tests.conftest import REPO, run_command
 
-
 # The same config as a 2-stage pipeline: a V-schedule puts 2 of the 4 blocks' stages on each process.
 PIPELINE = ["--trainer.strategy.init_args.pipeline_parallel_size=2",
             "--trainer.strategy.init_args.pipeline_schedule=ZBVZeroBubble"]

@@ -7,7 +7,7 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Literal
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
@@ -18,7 +18,7 @@ from titan_strategy.grad_norm import clip_grad_norm_, total_grad_norm
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["TitanPrecision", "SUPPORTED_PRECISION"]
+__all__ = ["TitanPrecision", "SUPPORTED_PRECISION", "to_titan_precision"]
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
 
@@ -75,3 +75,17 @@ class TitanPrecision(Precision):
 
 def _parameters(optimizer: Optimizer) -> list[torch.nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def to_titan_precision(plugin: Precision | None) -> TitanPrecision | None:
+    """Map the precision plugin Lightning picked from ``Trainer(precision=...)`` onto ours."""
+    if plugin is None or isinstance(plugin, TitanPrecision):
+        return plugin
+    if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
+        return TitanPrecision("bf16-mixed", plugin.device)
+    if type(plugin) is Precision:
+        return TitanPrecision("32-true", "cpu")
+    raise ValueError(
+        f"TitanStrategy does not support precision={getattr(plugin, 'precision', type(plugin).__name__)!r}; "
+        f"use Trainer(precision=...) with one of {SUPPORTED_PRECISION}."
+    )

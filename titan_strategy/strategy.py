@@ -18,7 +18,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -32,15 +32,16 @@ from typing_extensions import override
 from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
 from titan_strategy.checkpoint import optimizer_state_dict
 from titan_strategy.checkpoint import save_checkpoint as save_dcp_checkpoint
+from titan_strategy.knobs import check_knobs
 from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
 from titan_strategy.parallelize import ParallelizeConfig, parallelize
 from titan_strategy.parallelize.fsdp import ReshardPolicy
 from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
 from titan_strategy.parallelize.tensor_parallel import as_local_loss, check_sequence_length, loss_parallel_context
-from titan_strategy.pipeline.layout import PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineConfig, PipelineLayout
+from titan_strategy.pipeline.layout import PIPELINE_SCHEDULES, PipelineConfig, PipelineLayout
 from titan_strategy.pipeline.runner import PipelineRunner, token_cross_entropy
 from titan_strategy.plan import ParallelPlan, PlannedModule
-from titan_strategy.precision import SUPPORTED_PRECISION, TitanPrecision
+from titan_strategy.precision import TitanPrecision, to_titan_precision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -49,10 +50,6 @@ __all__ = ["TitanStrategy", "PIPELINE_SCHEDULES"]
 
 log = logging.getLogger(__name__)
 
-_RESHARD_POLICIES = ("default", "always", "never")
-# Measured on CPU/gloo: compiled tensor-parallel blocks get gradients ~1% off the eager ones on torch
-# 2.13 (grad norm 0.8004 vs 0.8064 for the test model), and are exact on 2.11.
-_COMPILED_TP_IS_BROKEN = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 class TitanStrategy(ParallelStrategy):
@@ -107,13 +104,14 @@ class TitanStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
     ) -> None:
         super().__init__(cluster_environment=cluster_environment, checkpoint_io=checkpoint_io)
-        _check_knobs(fsdp_reshard_after_forward, timeout_seconds)
         self.pipeline = PipelineConfig(
             size=pipeline_parallel_size, schedule=pipeline_schedule, microbatches=pipeline_microbatches,
             stages_per_rank=pipeline_stages_per_rank, layers_per_stage=pipeline_layers_per_stage,
             split_points=tuple(pipeline_split_points) if pipeline_split_points is not None else None,
         )
-        _check_compile_knobs(compile, tensor_parallel_size, async_tensor_parallel, self.pipeline)
+        check_knobs(reshard=fsdp_reshard_after_forward, timeout_seconds=timeout_seconds, compile=compile,
+                    tensor_parallel_size=tensor_parallel_size, async_tensor_parallel=async_tensor_parallel,
+                    pipeline=self.pipeline)
         self._degrees = {"dp_replicate": data_parallel_replicate_size, "dp_shard": data_parallel_shard_size,
                          "cp": context_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
         self.fsdp_reshard_after_forward: ReshardPolicy = fsdp_reshard_after_forward
@@ -217,7 +215,7 @@ class TitanStrategy(ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        self._precision_plugin = _to_titan_precision(precision_plugin)
+        self._precision_plugin = to_titan_precision(precision_plugin)
 
     # ---- model set-up -----------------------------------------------------------------------------
 
@@ -249,7 +247,7 @@ class TitanStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _check_supported_degrees(self) -> None:
+    def _check_plan_support(self) -> None:
         cp = self.parallel_dims.cp
         if cp > 1:
             raise NotImplementedError(
@@ -263,7 +261,7 @@ class TitanStrategy(ParallelStrategy):
                              "`self.automatic_optimization = False` or set pipeline_parallel_size=1.")
 
     def _parallelize(self, module: PlannedModule, precision: TitanPrecision) -> None:
-        self._check_supported_degrees()
+        self._check_plan_support()
         config = ParallelizeConfig(
             param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
             reshard_after_forward=self.fsdp_reshard_after_forward, sequence_parallel=self.sequence_parallel,
@@ -502,41 +500,3 @@ def _logging_local_values(module: pl.LightningModule) -> Generator[None, None, N
         yield
     finally:
         del module.log
-
-
-def _check_knobs(reshard: str, timeout_seconds: float) -> None:
-    if reshard not in _RESHARD_POLICIES:
-        raise ValueError(f"fsdp_reshard_after_forward={reshard!r} must be one of {list(_RESHARD_POLICIES)}.")
-    if timeout_seconds <= 0:
-        raise ValueError(f"timeout_seconds={timeout_seconds!r} must be > 0.")
-
-
-def _check_compile_knobs(compile: bool, tensor_parallel_size: int, async_tensor_parallel: bool,
-                         pipeline: PipelineConfig) -> None:
-    if compile and tensor_parallel_size > 1 and _COMPILED_TP_IS_BROKEN:
-        raise ValueError(
-            f"compile=True with tensor_parallel_size={tensor_parallel_size} gives wrong gradients on torch "
-            f"{torch.__version__} (a DTensor backward regression; torch 2.11 is correct). Use compile=False, "
-            "or torch 2.11."
-        )
-    if async_tensor_parallel and not compile:
-        raise ValueError("async_tensor_parallel=True needs compile=True: AsyncTP is an inductor pass over "
-                         "compiled blocks. Set compile=True, or async_tensor_parallel=False.")
-    if compile and pipeline.size > 1 and pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
-        raise ValueError(f"pipeline_schedule={pipeline.schedule!r} splits backward into input- and weight-gradient "
-                         "passes, which torch refuses for compiled stages; use compile=False, or a schedule such as "
-                         "'Interleaved1F1B'.")
-
-
-def _to_titan_precision(plugin: Precision | None) -> TitanPrecision | None:
-    """Map the precision plugin Lightning picked from ``Trainer(precision=...)`` onto ours."""
-    if plugin is None or isinstance(plugin, TitanPrecision):
-        return plugin
-    if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
-        return TitanPrecision("bf16-mixed", plugin.device)
-    if type(plugin) is Precision:
-        return TitanPrecision("32-true", "cpu")
-    raise ValueError(
-        f"TitanStrategy does not support precision={getattr(plugin, 'precision', type(plugin).__name__)!r}; "
-        f"use Trainer(precision=...) with one of {SUPPORTED_PRECISION}."
-    )

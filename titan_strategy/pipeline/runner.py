@@ -73,7 +73,7 @@ class _ForwardPipeline:
         """Outputs of the last stage per microbatch (empty on ranks without it)."""
         microbatches = self._layout.microbatches
         carried: list[Any] = list(inputs.tensor_split(microbatches)) if inputs is not None else []
-        sends: list[dist.Work] = []
+        sends: list[tuple[dist.Work, Tensor]] = []  # each send's buffer lives until its wait
         previous = -1
         for stage, module in self._stages:
             local_input = stage == 0 or previous == stage - 1
@@ -84,17 +84,16 @@ class _ForwardPipeline:
                 for output in outputs:
                     sends.extend(self._send(output, next_rank))
             carried, previous = outputs, stage
-        for work in sends:
+        for work, _ in sends:
             work.wait()
         return carried if previous == self._layout.num_stages - 1 else []
 
-    def _send(self, tensor: Tensor, rank: int) -> list[dist.Work]:
+    def _send(self, tensor: Tensor, rank: int) -> list[tuple[dist.Work, Tensor]]:
         header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
         header[0], header[1 : 1 + tensor.ndim] = tensor.ndim, torch.tensor(tensor.shape)
         header[-1] = _DTYPES.index(tensor.dtype)
-        tensor = tensor.contiguous()
-        return [dist.isend(header.to(self._device), group=self._group, group_dst=rank),
-                dist.isend(tensor, group=self._group, group_dst=rank)]
+        buffers = (header.to(self._device), tensor.contiguous())
+        return [(dist.isend(buffer, group=self._group, group_dst=rank), buffer) for buffer in buffers]
 
     def _recv(self, rank: int) -> Tensor:
         header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self._device)
@@ -211,7 +210,8 @@ class PipelineRunner:
 
     def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
         """Sum of the (already scaled) microbatch losses, sent from the last stage to every pp rank."""
-        total = torch.stack([loss.detach() for loss in losses]).sum() if self._holds_last else \
+        # fp32 on every rank, whatever dtype the module's loss has: the broadcast needs one buffer layout.
+        total = torch.stack([loss.detach().float() for loss in losses]).sum() if self._holds_last else \
             torch.zeros((), device=self._device)
         dist.broadcast(total, group=self._group, group_src=self.layout.ranks[-1])
         return total
