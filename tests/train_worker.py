@@ -136,7 +136,8 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     if spec.get("lightning_model_parallel"):
         strategy = ModelParallelStrategy(data_parallel_size=spec["devices"], tensor_parallel_size=1)
     else:
-        strategy = TitanStrategy(**spec.get("strategy", {}), timeout_seconds=60)
+        # Short, so that a hang fails the test; compiling runs may ask for longer (cold inductor cache).
+        strategy = TitanStrategy(**spec.get("strategy", {}), timeout_seconds=spec.get("timeout_seconds", 60))
     recorder = Recorder(spec.get("save_at"), spec.get("save_path"))
     callbacks = [recorder, *(_lightning_callbacks(out_dir) if spec.get("lightning_callbacks") else [])]
     trainer = L.Trainer(
