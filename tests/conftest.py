@@ -51,8 +51,13 @@ def launch(nproc: int, spec: dict[str, Any], out_dir: Path, env: dict[str, str])
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_file = out_dir / "spec.json"
     spec_file.write_text(json.dumps({"devices": nproc, **spec}))
-    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                 str(WORKER), str(spec_file), str(out_dir)], env, out_dir)
+    try:
+        run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                     str(WORKER), str(spec_file), str(out_dir)], env, out_dir)
+    except AssertionError as failure:
+        # Each failed rank's error (the worker writes them), one line each: "rank1: ValueError: ...".
+        errors = "".join(f"\n{path.stem}: {path.read_text()}" for path in sorted(out_dir.glob("rank*.error")))
+        raise AssertionError(f"{failure}\nRank errors:{errors}") from None
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(nproc)]
 
 

@@ -99,7 +99,7 @@ def test_resume_with_more_data_parallel_ranks_fails_clearly_on_every_rank(tmp_pa
     with pytest.raises(AssertionError) as failure:
         launch(4, {**spec, "steps": 3, "resume_from": str(checkpoint)}, tmp_path / "dp4", test_env)
     for rank in (2, 3):  # the ranks that hold no saved position raise too, instead of hanging
-        assert f"[rank{rank}]: ValueError: {checkpoint} holds dataloader positions for 2 data-parallel ranks, " \
+        assert f"\nrank{rank}: ValueError: {checkpoint} holds dataloader positions for 2 data-parallel ranks, " \
                "but this run has 4" in str(failure.value)
 
 

@@ -173,4 +173,4 @@ def test_bad_pipeline_input_fails_on_every_rank(spec: dict, message: str, tmp_pa
     with pytest.raises(AssertionError) as failure:
         launch(2, {"steps": 2, **spec}, tmp_path, test_env)
     for rank in (0, 1):
-        assert f"[rank{rank}]: {message}" in str(failure.value)
+        assert f"\nrank{rank}: {message}" in str(failure.value)

@@ -3,13 +3,16 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/train_worker.py SPEC.json OUT_DIR
 
 Every rank writes OUT_DIR/rank{N}.json with the logged ``train_loss`` (and ``grad_norm``) of each
-optimizer step, so tests can compare runs of different layouts with a single-process run.
+optimizer step, so tests can compare runs of different layouts with a single-process run. A rank
+that fails writes OUT_DIR/rank{N}.error instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -177,5 +180,23 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
+def _report_failure(error: Exception, out_dir: Path, wait_s: float = 20.0) -> None:
+    """Write this rank's error, then give the other ranks a moment to write theirs.
+
+    torchrun stops every rank as soon as one exits, so without the wait a rank that is a little
+    slower to reach the same error would be killed before it could show that it raises too.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    (out_dir / f"rank{os.environ.get('RANK', '0')}.error").write_text(f"{type(error).__name__}: {error}")
+    deadline = time.monotonic() + wait_s
+    while len(list(out_dir.glob("rank*.error"))) < world_size and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 if __name__ == "__main__":
-    main(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+    spec_file, out = Path(sys.argv[1]), Path(sys.argv[2])
+    try:
+        main(json.loads(spec_file.read_text()), out)
+    except Exception as failure:
+        _report_failure(failure, out)
+        raise
