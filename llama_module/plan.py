@@ -62,14 +62,10 @@ def llama_plan(model: Llama) -> ParallelPlan:
     Norm and output form one unit because they run back to back and the norm alone is tiny. Pipeline
     stages cut the blocks into runs; the embedding rides with the first, norm and output with the last.
     """
-    units: list[tuple[str, ...]] = []
-    if model.tok_embeddings is not None:
-        units.append(("tok_embeddings",))
+    # Declared for the whole model: the strategy keeps, per pipeline stage, the units that stage holds.
+    embedding, head = ("tok_embeddings",), ("norm", "output")
     blocks = tuple(f"layers.{name}" for name in model.layers)
-    units.extend((block,) for block in blocks)
-    head = tuple(name for name in ("norm", "output") if getattr(model, name) is not None)
-    if head:
-        units.append(head)
+    units = (embedding, *((block,) for block in blocks), head)
     config = model.config
     tensor_parallel = TensorParallelPlan(
         styles=llama_tp_styles,
@@ -77,6 +73,6 @@ def llama_plan(model: Llama) -> ParallelPlan:
         vocab_size=config.vocab_size,
         sequence_length=_sequence_length,
     )
-    pipeline = PipelinePlan(first_stage=("tok_embeddings",), last_stage=("norm", "output"))
-    return ParallelPlan(model=model, fsdp_units=tuple(units), init_weights=model.init_weights, blocks=blocks,
+    pipeline = PipelinePlan(first_stage=embedding, last_stage=head)
+    return ParallelPlan(model=model, fsdp_units=units, init_weights=model.init_weights, blocks=blocks,
                         tensor_parallel=tensor_parallel, pipeline=pipeline)
