@@ -93,6 +93,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
+class CausalSDPA(nn.Module):
+    """Causal scaled dot-product attention of (bs, heads, seqlen, head_dim) tensors.
+
+    A module of its own so that a parallelism can take over exactly this call (context parallelism
+    turns it into ring attention over sequence shards).
+    """
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -102,6 +113,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.sdpa = CausalSDPA()
 
     def forward(self, x: Tensor, rope: Tensor) -> Tensor:
         # x may be a tensor-parallel DTensor; its shape is then the global one, which RoPE needs.
@@ -118,9 +130,7 @@ class Attention(nn.Module):
         # Grouped-query attention: every kv head serves `repeats` consecutive query heads.
         k = k.repeat_interleave(self.repeats, dim=2)  # (bs, seqlen, n_local_heads, head_dim)
         v = v.repeat_interleave(self.repeats, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )  # (bs, n_local_heads, seqlen, head_dim)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (bs, n_local_heads, seqlen, hd)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 

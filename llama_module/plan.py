@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llama_module.model import Llama
-from titan_strategy.plan import ParallelPlan, PipelinePlan, TensorParallelPlan
+from titan_strategy.plan import ContextParallelPlan, ParallelPlan, PipelinePlan, TensorParallelPlan
 
 __all__ = ["llama_plan", "llama_tp_styles"]
 
@@ -74,5 +74,7 @@ def llama_plan(model: Llama) -> ParallelPlan:
         sequence_length=_sequence_length,
     )
     pipeline = PipelinePlan(first_stage=embedding, last_stage=head)
+    # Attention is the one place tokens meet; RoPE rows follow their tokens' positions.
+    context_parallel = ContextParallelPlan(attention="layers.*.attention.sdpa", buffers={"rope.table": 0})
     return ParallelPlan(model=model, fsdp_units=units, init_weights=model.init_weights, blocks=blocks,
-                        tensor_parallel=tensor_parallel, pipeline=pipeline)
+                        tensor_parallel=tensor_parallel, pipeline=pipeline, context_parallel=context_parallel)

@@ -12,6 +12,8 @@ from tests.conftest import launch
 STEPS = 10
 GLOBAL_BATCH = 8
 RTOL = 1e-5
+# Trains, validates at steps 5 and 10, then runs trainer.test and trainer.predict (see assert_full_run_matches).
+FULL_RUN = {"steps": STEPS, "clip": 1.0, "validate": True, "val_every": 5, "evaluate": True}
 
 
 def _series(record: dict[str, Any], key: str, accumulate: int = 1) -> list[float]:
@@ -34,6 +36,30 @@ def _assert_identical_on_all_ranks(records: list[dict[str, Any]], key: str = "tr
         assert _series(record, key) == first, f"rank {rank} logged a different {key}"
 
 
+def assert_full_run_matches(records: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    """A ``FULL_RUN`` matches the single-process one: train loss and grad norm at every step (identical on
+    every rank), val and test losses, predictions, how often each Lightning hook ran, and every module
+    (pipeline stage copies included) back in training mode after validation."""
+    _assert_identical_on_all_ranks(records)
+    _assert_identical_on_all_ranks(records, "grad_norm")
+    _assert_close_per_step(_series(records[0], "train_loss"), _series(reference, "train_loss"), RTOL)
+    _assert_close_per_step(_series(records[0], "grad_norm"), _series(reference, "grad_norm"), RTOL)
+    for record in records:
+        assert record["val_losses"] == pytest.approx(reference["val_losses"], rel=RTOL)
+        assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=RTOL)
+        assert record["hook_calls"] == reference["hook_calls"]
+        assert record["training_mode_after_validation"] and all(record["training_mode_after_validation"])
+    # Every rank returns whole predictions (the last stage's logits under PP, every token under CP);
+    # data-parallel ranks predict disjoint shares of the samples the single process predicts.
+    by_batch_rank = {record["batch_rank"]: record for record in records}
+    for record in records:
+        assert record["prediction_abs_sum"] == by_batch_rank[record["batch_rank"]]["prediction_abs_sum"]
+    [shape] = {tuple(r["prediction_shape"]) for r in records}
+    assert [shape[0] * len(by_batch_rank), *shape[1:]] == reference["prediction_shape"]
+    total = sum(r["prediction_abs_sum"] for r in by_batch_rank.values())
+    assert total == pytest.approx(reference["prediction_abs_sum"], rel=RTOL)
+
+
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("single")
@@ -44,7 +70,8 @@ def single_process(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str,
     (2, {}),
     (4, {}),
     (4, {"data_parallel_replicate_size": 2, "data_parallel_shard_size": 2}),
-], ids=["fsdp2", "fsdp4", "hsdp2x2"])
+    (2, {"activation_checkpointing": "full"}),
+], ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2-full-ac"])
 def test_loss_and_grad_norm_match_single_process(nproc: int, strategy: dict, single_process: dict, tmp_path: Path,
                                                  test_env: dict[str, str]) -> None:
     spec = {"steps": STEPS, "batch_size": GLOBAL_BATCH // nproc, "clip": 1.0, "strategy": strategy}

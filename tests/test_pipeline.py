@@ -13,10 +13,16 @@ from typing import Any
 import pytest
 
 from tests.conftest import launch
-from tests.test_parity import GLOBAL_BATCH, STEPS, _assert_close_per_step, _assert_identical_on_all_ranks, _series
-
-RTOL = 1e-5
-RUN = {"steps": STEPS, "clip": 1.0, "validate": True, "val_every": 5, "evaluate": True}
+from tests.test_parity import FULL_RUN as RUN
+from tests.test_parity import (
+    GLOBAL_BATCH,
+    RTOL,
+    STEPS,
+    _assert_close_per_step,
+    _assert_identical_on_all_ranks,
+    _series,
+    assert_full_run_matches,
+)
 
 
 def _reference(n_layers: int, tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> dict[str, Any]:
@@ -38,28 +44,6 @@ def _pp(size: int, schedule: str, **more: Any) -> dict[str, Any]:
     return {"pipeline_parallel_size": size, "pipeline_schedule": schedule, **more}
 
 
-def _assert_matches(records: list[dict[str, Any]], reference: dict[str, Any]) -> None:
-    _assert_identical_on_all_ranks(records)
-    _assert_identical_on_all_ranks(records, "grad_norm")
-    _assert_close_per_step(_series(records[0], "train_loss"), _series(reference, "train_loss"), RTOL)
-    _assert_close_per_step(_series(records[0], "grad_norm"), _series(reference, "grad_norm"), RTOL)
-    for record in records:
-        assert record["val_losses"] == pytest.approx(reference["val_losses"], rel=RTOL)
-        assert record["test_loss"] == pytest.approx(reference["test_loss"], rel=RTOL)
-        assert record["hook_calls"] == reference["hook_calls"]
-        # after each validation every module, the stage copies included, is back in training mode
-        assert record["training_mode_after_validation"] and all(record["training_mode_after_validation"])
-    # predict returns the last stage's logits on every rank; data-parallel ranks predict disjoint
-    # shares of the samples the single process predicts.
-    by_batch_rank = {record["batch_rank"]: record for record in records}
-    for record in records:
-        assert record["prediction_abs_sum"] == by_batch_rank[record["batch_rank"]]["prediction_abs_sum"]
-    [shape] = {tuple(r["prediction_shape"]) for r in records}
-    assert [shape[0] * len(by_batch_rank), *shape[1:]] == reference["prediction_shape"]
-    total = sum(r["prediction_abs_sum"] for r in by_batch_rank.values())
-    assert total == pytest.approx(reference["prediction_abs_sum"], rel=RTOL)
-
-
 @pytest.mark.parametrize(("strategy", "extra"), [
     (_pp(2, "GPipe"), {"default_pipeline_loss": True}),
     (_pp(2, "1F1B"), {}),
@@ -74,14 +58,14 @@ def _assert_matches(records: list[dict[str, Any]], reference: dict[str, Any]) ->
 def test_every_schedule_at_pp2_matches_single_process(strategy: dict, extra: dict, single_4_layers: dict,
                                                       tmp_path: Path, test_env: dict[str, str]) -> None:
     spec = {**RUN, "batch_size": GLOBAL_BATCH, "n_layers": 4, "strategy": strategy, **extra}
-    _assert_matches(launch(2, spec, tmp_path, test_env), single_4_layers)
+    assert_full_run_matches(launch(2, spec, tmp_path, test_env), single_4_layers)
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
 def test_pp4_matches_single_process(schedule: str, single_8_layers: dict, tmp_path: Path,
                                     test_env: dict[str, str]) -> None:
     spec = {**RUN, "batch_size": GLOBAL_BATCH, "n_layers": 8, "strategy": _pp(4, schedule)}
-    _assert_matches(launch(4, spec, tmp_path, test_env), single_8_layers)
+    assert_full_run_matches(launch(4, spec, tmp_path, test_env), single_8_layers)
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
@@ -90,7 +74,7 @@ def test_pp2_x_fsdp2_x_tp2_matches_single_process(schedule: str, single_4_layers
     # 3-D: FSDP shards each stage over 2 ranks, TP (with sequence and loss parallel) splits it over 2 more.
     strategy = _pp(2, schedule, tensor_parallel_size=2, pipeline_microbatches=2)
     spec = {**RUN, "batch_size": GLOBAL_BATCH // 2, "n_layers": 4, "strategy": strategy}
-    _assert_matches(launch(8, spec, tmp_path, test_env), single_4_layers)
+    assert_full_run_matches(launch(8, spec, tmp_path, test_env), single_4_layers)
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])

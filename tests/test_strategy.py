@@ -40,6 +40,8 @@ def test_bad_layout_fails_in_trainer_init_without_launching_or_writing(strategy:
      r"pipeline_schedule='DualPipeV' splits backward .* refuses for compiled stages; use compile=False"),
     ({"fsdp_reshard_after_forward": "sometimes"}, r"fsdp_reshard_after_forward='sometimes' must be one of"),
     ({"timeout_seconds": 0}, r"timeout_seconds=0 must be > 0"),
+    ({"context_parallel_rotate_method": "ring"}, r"context_parallel_rotate_method='ring' must be one of \['allgather', "),
+    ({"activation_checkpointing": "some"}, r"activation_checkpointing='some' must be one of \['none', 'full'\]"),
 ])
 def test_bad_knobs_fail_at_construction(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

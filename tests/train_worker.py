@@ -78,7 +78,8 @@ def _lightning_callbacks(out_dir: Path) -> list[Callback]:
 
 def _evaluate(trainer: L.Trainer, model: L.LightningModule, spec: dict[str, Any]) -> dict[str, Any]:
     """trainer.test and trainer.predict after fit, on the validation sequences."""
-    loader = DataLoader(AffineSequences(64, 32, TINY.vocab_size, seed=99), batch_size=spec["batch_size"])
+    loader = DataLoader(AffineSequences(64, spec.get("seq_len", 32), TINY.vocab_size, seed=99),
+                        batch_size=spec["batch_size"])
     [tested] = trainer.test(model, dataloaders=loader, verbose=False)
     predictions = trainer.predict(model, dataloaders=loader)
     return {"test_loss": tested["test_loss"],
@@ -163,9 +164,10 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     else:
         model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "n_layers": spec.get("n_layers", TINY.n_layers)}),
                            **model_args)
-        samples = AffineSequences(spec.get("samples", 512), 32, TINY.vocab_size)
+        seq_len = spec.get("seq_len", 32)
+        samples = AffineSequences(spec.get("samples", 512), seq_len, TINY.vocab_size)
         loader = DataLoader(samples, batch_size=spec["batch_size"])
-        val_loader = DataLoader(AffineSequences(64, 32, TINY.vocab_size, seed=99), batch_size=spec["batch_size"])
+        val_loader = DataLoader(AffineSequences(64, seq_len, TINY.vocab_size, seed=99), batch_size=spec["batch_size"])
         trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.get("resume_from"))
     result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
               "hook_calls": recorder.hook_calls, "training_mode_after_validation": recorder.training_mode_after_validation,

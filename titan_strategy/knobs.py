@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from titan_strategy.parallelize.activation_checkpoint import AC_MODES
+from titan_strategy.parallelize.context_parallel import ROTATE_METHODS
 from titan_strategy.pipeline.layout import ZERO_BUBBLE_SCHEDULES, PipelineConfig
 
 __all__ = ["check_knobs"]
@@ -15,10 +17,15 @@ _COMPILED_TP_IS_BROKEN = tuple(int(part) for part in torch.__version__.split("."
 
 
 def check_knobs(*, reshard: str, timeout_seconds: float, compile: bool, tensor_parallel_size: int,
-                async_tensor_parallel: bool, pipeline: PipelineConfig) -> None:
+                async_tensor_parallel: bool, rotate_method: str, activation_checkpointing: str,
+                pipeline: PipelineConfig) -> None:
     """Raise ``ValueError`` naming the knob to change; the pipeline knobs check themselves."""
     if reshard not in _RESHARD_POLICIES:
         raise ValueError(f"fsdp_reshard_after_forward={reshard!r} must be one of {list(_RESHARD_POLICIES)}.")
+    if rotate_method not in ROTATE_METHODS:
+        raise ValueError(f"context_parallel_rotate_method={rotate_method!r} must be one of {list(ROTATE_METHODS)}.")
+    if activation_checkpointing not in AC_MODES:
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} must be one of {list(AC_MODES)}.")
     if timeout_seconds <= 0:
         raise ValueError(f"timeout_seconds={timeout_seconds!r} must be > 0.")
     if compile and tensor_parallel_size > 1 and _COMPILED_TP_IS_BROKEN:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["ParallelPlan", "ParamFiller", "PipelinePlan", "PlannedModule", "TensorParallelPlan", "input_ids_and_labels"]
+__all__ = [
+    "ContextParallelPlan", "ParallelPlan", "ParamFiller", "PipelinePlan", "PlannedModule", "TensorParallelPlan",
+    "input_ids_and_labels",
+]
 
 ParamFiller = Callable[[nn.Parameter, Callable[[Tensor], None]], None]
 """Writes an initializer's output into a parameter; the initializer always sees the full tensor."""
@@ -63,6 +66,32 @@ class PipelinePlan:
 
 
 @dataclass(frozen=True)
+class ContextParallelPlan:
+    """How a model's sequence dimension splits across context-parallel ranks.
+
+    Each rank keeps two of ``2 * cp`` equal chunks of every sequence, chunk ``r`` and chunk
+    ``2 * cp - 1 - r`` (head-tail load balancing: under a causal mask early tokens are cheap and
+    late ones expensive, so every rank gets one of each). Attention runs as ring attention.
+
+    Attributes:
+        attention: pattern of the modules that compute attention (``"layers.*.attention.sdpa"``).
+            Their ``forward(query, key, value)`` takes ``(batch, heads, seq, head_dim)`` tensors and
+            calls ``F.scaled_dot_product_attention(query, key, value, is_causal=True)``; no other
+            inputs (a mask cannot be split this way).
+        buffers: model buffers indexed by token position, ``{name: sequence dim}`` (the RoPE table);
+            during a step each rank sees the rows of its own tokens.
+        batch: batch entries with a sequence dim, ``{key: sequence dim}``.
+        prediction_seq_dim: the sequence dim of the tensor ``predict_step`` returns; each CP rank
+            predicts its own tokens and the strategy gathers the whole sequence back.
+    """
+
+    attention: str
+    buffers: dict[str, int] = field(default_factory=dict)
+    batch: dict[str, int] = field(default_factory=lambda: {"input_ids": 1, "labels": 1})
+    prediction_seq_dim: int = 1
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     """A model's declaration of how it may be parallelized.
 
@@ -75,6 +104,7 @@ class ParallelPlan:
         blocks: names of the repeated blocks (compiled one by one, since they are identical).
         tensor_parallel: how to split the model across TP ranks; None if it cannot be.
         pipeline: how to cut the model into pipeline stages; None if it cannot be.
+        context_parallel: how to split the sequence across CP ranks; None if it cannot be.
     """
 
     model: nn.Module
@@ -83,6 +113,7 @@ class ParallelPlan:
     blocks: tuple[str, ...] = ()
     tensor_parallel: TensorParallelPlan | None = None
     pipeline: PipelinePlan | None = None
+    context_parallel: ContextParallelPlan | None = None
 
 
 @runtime_checkable

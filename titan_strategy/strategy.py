@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
@@ -35,6 +36,7 @@ from titan_strategy.checkpoint import save_checkpoint as save_dcp_checkpoint
 from titan_strategy.knobs import check_knobs
 from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
 from titan_strategy.parallelize import ParallelizeConfig, parallelize
+from titan_strategy.parallelize.context_parallel import SequenceSharder, check_cp_sequence_length, ring_attention
 from titan_strategy.parallelize.fsdp import ReshardPolicy
 from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
 from titan_strategy.parallelize.tensor_parallel import as_local_loss, check_sequence_length, loss_parallel_context
@@ -63,7 +65,10 @@ class TitanStrategy(ParallelStrategy):
         data_parallel_replicate_size: HSDP replicas (parameters replicated across them).
         data_parallel_shard_size: FSDP shard degree; -1 takes what the other degrees leave of the world.
         tensor_parallel_size: tensor-parallel degree.
-        context_parallel_size: context-parallel degree.
+        context_parallel_size: context-parallel degree: each rank holds 1/cp of every sequence (load-balanced)
+            and attention runs as ring attention.
+        context_parallel_rotate_method: how key/value shards travel round the CP ring: "allgather" (gathered
+            once per attention call) or "alltoall" (passed to the next rank at each step of the ring).
         pipeline_parallel_size: pipeline stages.
         pipeline_schedule: one of ``PIPELINE_SCHEDULES``.
         pipeline_microbatches: microbatches per Lightning batch under PP (None: one per stage).
@@ -75,6 +80,8 @@ class TitanStrategy(ParallelStrategy):
         loss_parallel: under TP, keep logits sharded on the vocabulary and compute the loss that way.
         async_tensor_parallel: overlap TP communication with matmuls (AsyncTP); CUDA and compile only.
         compile: ``torch.compile`` each repeated block of the model.
+        activation_checkpointing: "none", or "full": keep only each block's input and recompute the
+            block in backward (less activation memory for about one more forward).
         process_group_backend: "gloo", "nccl", ...; None picks by device.
         timeout_seconds: process-group timeout; a collective that waits longer fails instead of hanging.
     """
@@ -87,6 +94,7 @@ class TitanStrategy(ParallelStrategy):
         data_parallel_shard_size: int = -1,
         tensor_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather",
         pipeline_parallel_size: int = 1,
         pipeline_schedule: str = "1F1B",
         pipeline_microbatches: int | None = None,
@@ -98,6 +106,7 @@ class TitanStrategy(ParallelStrategy):
         loss_parallel: bool = True,
         async_tensor_parallel: bool = False,
         compile: bool = False,
+        activation_checkpointing: Literal["none", "full"] = "none",
         process_group_backend: str | None = None,
         timeout_seconds: float = 1800.0,
         cluster_environment: ClusterEnvironment | None = None,
@@ -111,6 +120,7 @@ class TitanStrategy(ParallelStrategy):
         )
         check_knobs(reshard=fsdp_reshard_after_forward, timeout_seconds=timeout_seconds, compile=compile,
                     tensor_parallel_size=tensor_parallel_size, async_tensor_parallel=async_tensor_parallel,
+                    rotate_method=context_parallel_rotate_method, activation_checkpointing=activation_checkpointing,
                     pipeline=self.pipeline)
         self._degrees = {"dp_replicate": data_parallel_replicate_size, "dp_shard": data_parallel_shard_size,
                          "cp": context_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
@@ -119,7 +129,10 @@ class TitanStrategy(ParallelStrategy):
         self.loss_parallel = loss_parallel
         self.async_tensor_parallel = async_tensor_parallel
         self.compile = compile
+        self.activation_checkpointing = activation_checkpointing
+        self.context_parallel_rotate_method = context_parallel_rotate_method
         self._plan: ParallelPlan | None = None
+        self._sequence_sharder: SequenceSharder | None = None
         self._pipeline: PipelineRunner | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout_seconds)
@@ -248,13 +261,6 @@ class TitanStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _check_plan_support(self) -> None:
-        cp = self.parallel_dims.cp
-        if cp > 1:
-            raise NotImplementedError(
-                f"context_parallel_size={cp} is not applied to a module with a parallel_plan() yet (tracked in issue #5); "
-                "set context_parallel_size=1, or parallelize that dimension yourself in configure_model via "
-                "self.device_mesh."
-            )
         if self.parallel_dims.pp > 1 and not self.lightning_module.automatic_optimization:
             raise ValueError(f"pipeline_parallel_size={self.parallel_dims.pp} runs forward and backward inside the "
                              "pipeline schedule, which needs Lightning's automatic optimization; remove "
@@ -266,10 +272,14 @@ class TitanStrategy(ParallelStrategy):
             param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
             reshard_after_forward=self.fsdp_reshard_after_forward, sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel, async_tp=self.async_tensor_parallel, compile=self.compile,
-            pipeline=self.pipeline,
+            activation_checkpointing=self.activation_checkpointing, pipeline=self.pipeline,
         )
         self._plan = module.parallel_plan()
         parallelized = parallelize(self._plan, self.device_mesh, self.parallel_dims, config, self.root_device)
+        if self.parallel_dims.cp > 1:
+            assert self._plan.context_parallel is not None
+            self._sequence_sharder = SequenceSharder(self._plan.model, self.device_mesh["cp"],
+                                                     self._plan.context_parallel, self.context_parallel_rotate_method)
         if parallelized.layout is not None:
             self._setup_pipeline(parallelized.parts, parallelized.layout, precision)
 
@@ -302,10 +312,21 @@ class TitanStrategy(ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if self._pipeline is None:
-            return super().predict_step(*args, **kwargs)
+        predict = self._pipeline_predict_step if self._pipeline else super().predict_step
+        with self._sequence_shards(args) as args:
+            prediction = predict(*args, **kwargs)
+        sharder = self._sequence_sharder
+        if sharder is None or not isinstance(prediction, Tensor):
+            return prediction
+        # Each CP rank predicted its own tokens; every rank returns the whole sequence, in order.
+        if isinstance(prediction, DTensor):
+            prediction = prediction.full_tensor()
+        return sharder.gather(prediction, sharder.plan.prediction_seq_dim)
+
+    def _pipeline_predict_step(self, batch: Any, *args: Any) -> Tensor:
+        assert self._pipeline is not None
         with loss_parallel_context(self._loss_parallel_active):
-            return self._pipeline.predict_step(args[0])
+            return self._pipeline.predict_step(batch)
 
     # Under PP the schedule replaces the module's *_step: it runs the stages on microbatches, with the
     # module's pipeline_loss, and the strategy logs the loss under the names LlamaModule uses.
@@ -340,16 +361,34 @@ class TitanStrategy(ParallelStrategy):
         return step
 
     def _step(self, step: Callable[..., STEP_OUTPUT], args: tuple, kwargs: dict) -> STEP_OUTPUT:
-        if self._plan is not None and self.parallel_dims.tp > 1 and self.sequence_parallel and args:
-            assert self._plan.tensor_parallel is not None
-            check_sequence_length(self._plan.tensor_parallel.sequence_length(args[0]), self.parallel_dims.tp)
-        if not self._loss_parallel_active:
-            return step(*args, **kwargs)
-        with loss_parallel_context(True), _logging_local_values(self.lightning_module):
-            output = step(*args, **kwargs)
+        with self._sequence_shards(args) as args:
+            if not self._loss_parallel_active:
+                return step(*args, **kwargs)
+            with loss_parallel_context(True), _logging_local_values(self.lightning_module):
+                output = step(*args, **kwargs)
         if isinstance(output, Mapping) and "loss" in output:
             return {**output, "loss": as_local_loss(output["loss"])}
         return as_local_loss(output)
+
+    @contextmanager
+    def _sequence_shards(self, args: tuple) -> Generator[tuple, None, None]:
+        """Check the batch's sequence length against SP and CP; under CP the step gets this rank's tokens."""
+        if self._plan is None or not args:
+            yield args
+            return
+        dims = self.parallel_dims
+        sequence_parallel_tp = dims.tp if dims.tp > 1 and self.sequence_parallel else 1
+        sharder = self._sequence_sharder
+        if sharder is None:
+            if sequence_parallel_tp > 1:
+                assert self._plan.tensor_parallel is not None
+                check_sequence_length(self._plan.tensor_parallel.sequence_length(args[0]), sequence_parallel_tp)
+            yield args
+            return
+        seq_len = sharder.sequence_length(args[0])
+        check_cp_sequence_length(seq_len, dims.cp, sequence_parallel_tp)
+        with sharder.step(args[0], seq_len) as local_batch:
+            yield (local_batch, *args[1:])
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: torch.optim.Optimizer | None, *args: Any,
@@ -363,9 +402,10 @@ class TitanStrategy(ParallelStrategy):
             closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
             self.post_backward(closure_loss)
             return closure_loss
-        # Lightning calls backward outside training_step; the vocab-parallel cross-entropy backward
-        # needs the same context as its forward.
-        with loss_parallel_context(self._loss_parallel_active):
+        # Lightning calls backward outside training_step; the vocab-parallel cross-entropy and the
+        # ring attention backward need the same contexts as their forward.
+        ring = ring_attention(self.context_parallel_rotate_method) if self._sequence_sharder else nullcontext()
+        with loss_parallel_context(self._loss_parallel_active), ring:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _log_grad_norm(self, norm: Tensor) -> None:

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from titan_strategy.mesh import ParallelDims, TitanMesh
+from titan_strategy.parallelize.activation_checkpoint import apply_ac
 from titan_strategy.parallelize.compile import apply_compile
+from titan_strategy.parallelize.context_parallel import apply_cp, check_cp_plan
 from titan_strategy.parallelize.fsdp import ReshardPolicy, apply_fsdp
 from titan_strategy.parallelize.materialize import materialize
 from titan_strategy.parallelize.tensor_parallel import apply_tp, check_tp_plan
@@ -30,6 +32,7 @@ class ParallelizeConfig:
     loss_parallel: bool
     async_tp: bool
     compile: bool
+    activation_checkpointing: str
     pipeline: PipelineConfig
 
 
@@ -64,6 +67,8 @@ def check_plan(plan: ParallelPlan, dims: ParallelDims, config: ParallelizeConfig
     """
     if dims.tp > 1:
         check_tp_plan(plan.tensor_parallel, dims.tp, loss_parallel=config.loss_parallel)
+    if dims.cp > 1:
+        check_cp_plan(plan.context_parallel, dims.cp)
     if dims.pp == 1:
         return None
     if plan.pipeline is None:
@@ -78,10 +83,12 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
 
     Order matters: the pipeline split first, on the meta model, so each stage keeps the full
     model's parameter names; TP next, so every later wrapper sees the final parameter placements;
-    compile after the module structure is final and before FSDP, so FSDP's hooks stay outside the
-    compiled graphs (and names stay free of ``_orig_mod``); FSDP last among the wrappers, with one
-    root per stage, since each stage's forward is called on its own; materialization at the end, so
-    that only shards are ever allocated.
+    CP after TP, since ring attention runs on the heads TP leaves each rank; activation
+    checkpointing before compile, so compile captures the recomputation too; compile after the
+    module structure is final and before FSDP, so FSDP's hooks stay outside the compiled graphs
+    (and names stay free of ``_orig_mod``); FSDP last among the wrappers, with one root per stage,
+    since each stage's forward is called on its own; materialization at the end, so that only
+    shards are ever allocated.
     """
     layout = check_plan(plan, dims, config)
     parts = [plan.model]
@@ -99,8 +106,13 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
             assert plan.tensor_parallel is not None
             apply_tp(part, mesh["tp"], plan.tensor_parallel, sequence_parallel=config.sequence_parallel,
                      loss_parallel=config.loss_parallel, async_tp=config.async_tp)
+        if dims.cp > 1:
+            assert plan.context_parallel is not None
+            apply_cp(part, mesh["cp"], plan.context_parallel)
+        blocks = tuple(block for block in plan.blocks if has_submodule(part, block))
+        apply_ac(part, blocks, config.activation_checkpointing)
         if config.compile:
-            apply_compile(part, tuple(block for block in plan.blocks if has_submodule(part, block)))
+            apply_compile(part, blocks)
         apply_fsdp(part, _resolve_units(plan, part), dp_mesh, param_dtype=config.param_dtype,
                    reduce_dtype=config.reduce_dtype, reshard_after_forward=reshard)
     # plan.model holds every part's parameters under their full-model names, so initialization

@@ -1,0 +1,211 @@
+"""Context parallelism (load-balanced ring attention) alone and in 4-D, against one process (CPU/gloo, fp32).
+
+Each full run trains 10 steps, validates at steps 5 and 10, then runs ``trainer.test`` and
+``trainer.predict``; CP ranks hold different tokens, yet losses, gradient norms, predictions (gathered
+back to whole sequences) and hook counts must match the single process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from tests.conftest import launch
+from tests.test_parity import FULL_RUN, GLOBAL_BATCH, RTOL, _assert_identical_on_all_ranks, assert_full_run_matches
+from titan_strategy.parallelize.context_parallel import (
+    SequenceSharder,
+    apply_cp,
+    check_cp_plan,
+    check_cp_sequence_length,
+    ring_attention,
+)
+from titan_strategy.plan import ContextParallelPlan
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> dict[str, Any]:
+    return launch(1, {**FULL_RUN, "batch_size": GLOBAL_BATCH}, tmp_path_factory.mktemp("single"), test_env)[0]
+
+
+def _cp(size: int, rotate: str = "allgather", **more: Any) -> dict[str, Any]:
+    return {"context_parallel_size": size, "context_parallel_rotate_method": rotate, **more}
+
+
+@pytest.mark.parametrize(("nproc", "batch_ranks", "strategy"), [
+    (2, 1, _cp(2)),
+    (2, 1, _cp(2, "alltoall")),
+    (4, 1, _cp(4)),
+    (4, 1, _cp(4, "alltoall")),
+    (4, 2, _cp(2)),
+    (4, 1, _cp(2, tensor_parallel_size=2)),
+    (4, 1, _cp(2, "alltoall", tensor_parallel_size=2, sequence_parallel=False, loss_parallel=False)),
+    (4, 1, _cp(2, pipeline_parallel_size=2, pipeline_schedule="1F1B")),
+    (2, 1, _cp(2, activation_checkpointing="full")),
+], ids=["cp2", "cp2-alltoall", "cp4", "cp4-alltoall", "fsdp2xcp2", "tp2xcp2", "tp2xcp2-plain-alltoall", "pp2xcp2",
+        "cp2-full-ac"])
+def test_matches_single_process(nproc: int, batch_ranks: int, strategy: dict, single_process: dict, tmp_path: Path,
+                                test_env: dict[str, str]) -> None:
+    spec = {**FULL_RUN, "batch_size": GLOBAL_BATCH // batch_ranks, "strategy": strategy}
+    assert_full_run_matches(launch(nproc, spec, tmp_path, test_env), single_process)
+
+
+def test_4d_pp2_dp2_cp2_tp2_matches_single_process(single_process: dict, tmp_path: Path,
+                                                   test_env: dict[str, str]) -> None:
+    """The one 16-process smoke test: every dimension at 2, FSDP sharding over dp_shard x cp."""
+    strategy = _cp(2, tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="1F1B")
+    spec = {**FULL_RUN, "batch_size": GLOBAL_BATCH // 2, "strategy": strategy, "timeout_seconds": 180}
+    assert_full_run_matches(launch(16, spec, tmp_path, test_env), single_process)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [
+    ((4, _cp(2, tensor_parallel_size=2)), (1, {})),
+    ((1, {}), (2, _cp(2, "alltoall"))),
+], ids=["cp2xtp2-to-single", "single-to-cp2"])
+def test_checkpoint_resumes_with_or_without_cp(saved: tuple[int, dict], resumed: tuple[int, dict], tmp_path: Path,
+                                               test_env: dict[str, str]) -> None:
+    # 24 samples of batch 8: step 3 ends an epoch, where Lightning resumes map-style data exactly.
+    spec = {"steps": 6, "clip": 1.0, "batch_size": GLOBAL_BATCH, "samples": 24}
+    checkpoint = tmp_path / "step3.ckpt"
+    original = launch(saved[0], {**spec, "strategy": saved[1], "save_at": 3, "save_path": str(checkpoint)},
+                      tmp_path / "saved", test_env)
+    continued = launch(resumed[0], {**spec, "strategy": resumed[1], "resume_from": str(checkpoint)},
+                       tmp_path / "resumed", test_env)
+    _assert_identical_on_all_ranks(continued)
+    expected = [step for step in original[0]["steps"] if step["step"] > 3]
+    assert [step["step"] for step in continued[0]["steps"]] == [4, 5, 6]
+    for before, after in zip(expected, continued[0]["steps"]):
+        assert after["train_loss"] == pytest.approx(before["train_loss"], rel=RTOL), (before, after)
+        assert after["grad_norm"] == pytest.approx(before["grad_norm"], rel=RTOL), (before, after)
+
+
+def test_indivisible_sequence_fails_on_every_rank_before_the_first_forward(tmp_path: Path,
+                                                                          test_env: dict[str, str]) -> None:
+    with pytest.raises(AssertionError) as failure:
+        launch(2, {"steps": 2, "batch_size": 4, "seq_len": 30, "strategy": _cp(2)}, tmp_path, test_env)
+    for rank in (0, 1):
+        assert (f"\nrank{rank}: ValueError: Context parallelism splits each sequence into 2 x context_parallel_size=2 "
+                "chunks, but the batch has seq_len=30; use a seq_len divisible by 4.") in str(failure.value)
+
+
+@pytest.mark.parametrize(("seq_len", "cp", "tp", "message"), [
+    (36, 4, 1, "seq_len=36; use a seq_len divisible by 8."),
+    (36, 2, 2, "and sequence parallelism each rank's share across tensor_parallel_size=2, but the batch has "
+               "seq_len=36; use a seq_len divisible by 8, or sequence_parallel=False."),
+])
+def test_sequence_length_rule_names_the_multiple_and_the_fix(seq_len: int, cp: int, tp: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        check_cp_sequence_length(seq_len, cp, tp)
+    check_cp_sequence_length(2 * cp * tp * 3, cp, tp)
+
+
+def test_a_plan_without_cp_is_refused() -> None:
+    with pytest.raises(ValueError, match="context_parallel_size=2, but the module's parallel_plan.. declares no "):
+        check_cp_plan(None, 2)
+
+
+class _MaskedAttention(nn.Module):
+    """Attention with an explicit mask, or non-causal: what ring attention over load-balanced shards cannot do."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=self.causal)
+
+
+class _Holder(nn.Module):
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.attention = _MaskedAttention(causal)
+
+
+@pytest.fixture
+def cp_mesh_of_one() -> Any:
+    """A one-rank CP ring: enough to run the CP code path in this process."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_attention_cp_cannot_shard_is_refused(cp_mesh_of_one: Any) -> None:
+    qkv = [torch.randn(1, 2, 8, 4) for _ in range(3)]
+    plan = ContextParallelPlan(attention="attention")
+    masked, non_causal = _Holder(causal=True), _Holder(causal=False)
+    for holder in (masked, non_causal):
+        apply_cp(holder, cp_mesh_of_one, plan)
+    with ring_attention("allgather"):
+        with pytest.raises(ValueError, match=r"called with 4 positional and \[\] keyword arguments. Attention with a "
+                                             "mask or other extra inputs cannot be split"):
+            masked.attention(*qkv, torch.ones(8, 8, dtype=torch.bool))
+        with pytest.raises(ValueError, match=r"shards causal attention only \(is_causal=True, no attn_mask\)"):
+            non_causal.attention(*qkv)
+    with pytest.raises(ValueError, match=r"attention='attn\.\*' matches no submodule of _Holder"):
+        apply_cp(_Holder(causal=True), cp_mesh_of_one, ContextParallelPlan(attention="attn.*"))
+
+
+def test_ring_of_one_equals_plain_attention_and_restores_buffers(cp_mesh_of_one: Any) -> None:
+    holder = _Holder(causal=True)
+    holder.register_buffer("positions", torch.arange(16.0), persistent=False)
+    plan = ContextParallelPlan(attention="attention", buffers={"positions": 0})
+    apply_cp(holder, cp_mesh_of_one, plan)
+    sharder = SequenceSharder(holder, cp_mesh_of_one, plan, "alltoall")
+    qkv = [torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3)]
+    F.scaled_dot_product_attention(*qkv, is_causal=True).square().sum().backward()
+    expected = [t.grad.clone() for t in qkv]
+    for t in qkv:
+        t.grad = None
+    batch = {"input_ids": torch.arange(8).expand(2, 8), "labels": torch.arange(8).expand(2, 8), "id": 3}
+    with sharder.step(batch, seq_len=8) as local:
+        assert holder.positions.tolist() == list(range(8))  # the rows of the batch's 8 positions
+        assert local["id"] == 3 and torch.equal(local["input_ids"], batch["input_ids"])
+        holder.attention(*qkv).square().sum().backward()
+    for t, grad in zip(qkv, expected):
+        torch.testing.assert_close(t.grad, grad)
+    assert holder.positions.shape == (16,)
+    with pytest.raises(ValueError, match="seq_len=32, but the model's positions covers 16 positions"), \
+            sharder.step(batch, seq_len=32):
+        pass
+
+
+@pytest.fixture
+def cuda_cp_mesh_of_one() -> Any:
+    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore(), device_id=torch.device("cuda:0"))
+    try:
+        yield init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA attention kernels need a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
+def test_ring_attention_runs_every_cuda_kernel(kernel: str, cuda_cp_mesh_of_one: Any) -> None:
+    """The CUDA path is torch's own ring attention; this checks it is reached, forward and backward, per kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    holder = _Holder(causal=True)
+    apply_cp(holder, cuda_cp_mesh_of_one, ContextParallelPlan(attention="attention"))
+    qkv = [torch.randn(2, 8, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    with sdpa_kernel(getattr(SDPBackend, kernel)):
+        expected_out = F.scaled_dot_product_attention(*qkv, is_causal=True)
+        expected_out.float().square().sum().backward()
+        expected = [t.grad.clone() for t in qkv]
+        for t in qkv:
+            t.grad = None
+        with ring_attention("allgather"):
+            out = holder.attention(*qkv)
+            out.float().square().sum().backward()
+    assert not isinstance(out, torch.distributed.tensor.DTensor)
+    torch.testing.assert_close(out, expected_out, rtol=2e-2, atol=2e-2)
+    for t, grad in zip(qkv, expected):
+        torch.testing.assert_close(t.grad, grad, rtol=2e-2, atol=2e-2)
