@@ -18,7 +18,16 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.conftest import launch
-from tests.test_parity import FULL_RUN, GLOBAL_BATCH, RTOL, _assert_identical_on_all_ranks, assert_full_run_matches
+from tests.test_parity import (
+    FULL_RUN,
+    GLOBAL_BATCH,
+    RTOL,
+    STEPS,
+    _assert_close_per_step,
+    _assert_identical_on_all_ranks,
+    _series,
+    assert_full_run_matches,
+)
 from titan_strategy.parallelize.context_parallel import (
     SequenceSharder,
     apply_cp,
@@ -40,7 +49,6 @@ def _cp(size: int, rotate: str = "allgather", **more: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("nproc", "batch_ranks", "strategy"), [
     (2, 1, _cp(2)),
-    (2, 1, _cp(2, "alltoall")),
     (4, 1, _cp(4, "alltoall")),
     (4, 2, _cp(2)),
     (4, 1, _cp(2, tensor_parallel_size=2)),
@@ -48,7 +56,7 @@ def _cp(size: int, rotate: str = "allgather", **more: Any) -> dict[str, Any]:
     (4, 1, _cp(2, pipeline_parallel_size=2, pipeline_schedule="1F1B")),
     # Ring attention inside compiled blocks, recomputed in backward.
     (2, 1, _cp(2, activation_checkpointing="full", compile=True)),
-], ids=["cp2", "cp2-alltoall", "cp4-alltoall", "fsdp2xcp2", "tp2xcp2", "tp2xcp2-plain-alltoall", "pp2xcp2",
+], ids=["cp2", "cp4-alltoall", "fsdp2xcp2", "tp2xcp2", "tp2xcp2-plain-alltoall", "pp2xcp2",
         "cp2-full-ac-compiled"])
 def test_matches_single_process(nproc: int, batch_ranks: int, strategy: dict, single_process: dict, tmp_path: Path,
                                 test_env: dict[str, str]) -> None:
@@ -60,16 +68,19 @@ def test_matches_single_process(nproc: int, batch_ranks: int, strategy: dict, si
 
 def test_4d_pp2_dp2_cp2_tp2_matches_single_process(single_process: dict, tmp_path: Path,
                                                    test_env: dict[str, str]) -> None:
-    """The one 16-process smoke test: every dimension at 2, FSDP sharding over dp_shard x cp."""
+    """The one 16-process smoke test: every dimension at 2, FSDP sharding over dp_shard x cp (training only)."""
     strategy = _cp(2, tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="1F1B")
-    spec = {**FULL_RUN, "batch_size": GLOBAL_BATCH // 2, "strategy": strategy, "timeout_seconds": 180}
-    assert_full_run_matches(launch(16, spec, tmp_path, test_env), single_process)
+    spec = {"steps": STEPS, "clip": 1.0, "batch_size": GLOBAL_BATCH // 2, "strategy": strategy, "timeout_seconds": 180}
+    records = launch(16, spec, tmp_path, test_env)
+    for key in ("train_loss", "grad_norm"):
+        _assert_identical_on_all_ranks(records, key)
+        _assert_close_per_step(_series(records[0], key), _series(single_process, key), RTOL)
 
 
 @pytest.mark.parametrize(("saved", "resumed"), [
-    ((4, _cp(2, tensor_parallel_size=2)), (1, {})),
+    ((2, _cp(2)), (1, {})),
     ((1, {}), (2, _cp(2, "alltoall"))),
-], ids=["cp2xtp2-to-single", "single-to-cp2"])
+], ids=["cp2-to-single", "single-to-cp2"])
 def test_checkpoint_resumes_with_or_without_cp(saved: tuple[int, dict], resumed: tuple[int, dict], tmp_path: Path,
                                                test_env: dict[str, str]) -> None:
     # 24 samples of batch 8: step 3 ends an epoch, where Lightning resumes map-style data exactly.
@@ -168,10 +179,20 @@ def test_ring_of_one_equals_plain_attention_and_restores_buffers(cp_mesh_of_one:
     for t in qkv:
         t.grad = None
     batch = {"input_ids": torch.arange(8).expand(2, 8), "labels": torch.arange(8).expand(2, 8), "id": 3}
-    with sharder.step(batch, seq_len=8) as local:
-        assert holder.positions.tolist() == list(range(8))  # the rows of the batch's 8 positions
-        assert local["id"] == 3 and torch.equal(local["input_ids"], batch["input_ids"])
-        holder.attention(*qkv).square().sum().backward()
+    dispatcher = torch.distributed.tensor.DTensor._op_dispatcher
+    # A handler someone registered after torch was imported survives the scope and is there within it.
+    dispatcher._custom_op_handlers = {**dispatcher._custom_op_handlers, torch.ops.aten.erfinv.default: print}
+    handlers = dispatcher._custom_op_handlers
+    try:
+        with sharder.step(batch, seq_len=8) as local:
+            assert dispatcher._custom_op_handlers[torch.ops.aten.erfinv.default] is print
+            assert holder.positions.tolist() == list(range(8))  # the rows of the batch's 8 positions
+            assert local["id"] == 3 and torch.equal(local["input_ids"], batch["input_ids"])
+            holder.attention(*qkv).square().sum().backward()
+        assert dispatcher._custom_op_handlers is handlers
+    finally:
+        dispatcher._custom_op_handlers = {op: handler for op, handler in handlers.items()
+                                          if op is not torch.ops.aten.erfinv.default}
     for t, grad in zip(qkv, expected):
         torch.testing.assert_close(t.grad, grad)
     assert holder.positions.shape == (16,)

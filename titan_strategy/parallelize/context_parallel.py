@@ -146,17 +146,19 @@ def ring_attention(rotate_method: str) -> Generator[None, None, None]:
     if _cpu_ring_forward in dispatcher._custom_op_handlers.values():
         yield
         return
-    options = _attention._cp_options
-    saved = (options.enable_load_balance, options.rotate_method)
-    _enable_context_parallel_dispatcher()
-    dispatcher._custom_op_handlers = {**dispatcher._custom_op_handlers, **_CPU_HANDLERS}
+    handlers, options = dispatcher._custom_op_handlers, _attention._cp_options
+    saved_options = (options.enable_load_balance, options.rotate_method)
+    _enable_context_parallel_dispatcher()  # torch's CUDA-kernel handlers and their sharding rules
+    # torch replaces the handler table with its import-time one; keep what others registered since.
+    dispatcher._custom_op_handlers = {**handlers, **dispatcher._custom_op_handlers, **_CPU_HANDLERS}
     options.enable_load_balance = True  # the chunk order SequenceSharder makes
     _attention.set_rotate_method(rotate_method)
     try:
         yield
     finally:
         _disable_context_parallel_dispatcher()
-        options.enable_load_balance, options.rotate_method = saved
+        dispatcher._custom_op_handlers = handlers
+        options.enable_load_balance, options.rotate_method = saved_options
 
 
 # ---- per step: the batch, the buffers, the predictions -------------------------------------------
