@@ -59,6 +59,12 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig head_dim={self.head_dim} (dim / n_heads) must be even for RoPE.")
 
+    @classmethod
+    def from_dict(cls, values: dict) -> LlamaConfig:
+        """The inverse of ``dataclasses.asdict`` (how hyper-parameters and YAML spell a config)."""
+        scaling = values.get("rope_scaling", {})
+        return cls(**{**values, "rope_scaling": RopeScaling(**scaling) if isinstance(scaling, dict) else scaling})
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads

@@ -25,7 +25,8 @@ class LlamaModule(L.LightningModule):
     """Llama 3 pre-training.
 
     Args:
-        model: a flavor name (``debug``, ``1B``, ``3B``, ``8B``, ``70B``, ``405B``) or a ``LlamaConfig``.
+        model: a flavor name (``debug``, ``1B``, ``3B``, ``8B``, ``70B``, ``405B``), a ``LlamaConfig``, or
+            its fields as a dict (how the saved hyper-parameters spell it).
         vocab_size: overrides the flavor's vocabulary (``titan fit`` links it to the tokenizer's).
         max_seq_len: overrides the flavor's RoPE table length.
         lr: peak learning rate of AdamW.
@@ -37,18 +38,19 @@ class LlamaModule(L.LightningModule):
         fused_adamw: fused AdamW kernel; None uses it on CUDA.
     """
 
-    def __init__(self, model: str | LlamaConfig = "debug", vocab_size: int | None = None,
+    def __init__(self, model: str | LlamaConfig | dict[str, Any] = "debug", vocab_size: int | None = None,
                  max_seq_len: int | None = None, lr: float = 8e-4, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.1, warmup_steps: int = 200, decay_steps: int | None = None,
                  min_lr_ratio: float = 0.1, fused_adamw: bool | None = None) -> None:
         super().__init__()
-        config = get_flavor(model) if isinstance(model, str) else model
+        config = get_flavor(model) if isinstance(model, str) else LlamaConfig.from_dict(model) \
+            if isinstance(model, dict) else model
         overrides = {k: v for k, v in {"vocab_size": vocab_size, "max_seq_len": max_seq_len}.items() if v is not None}
         self.config = dataclasses.replace(config, **overrides)
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and min_lr_ratio={min_lr_ratio} in [0, 1].")
         # Plain values only, so checkpoints load with torch.load(weights_only=True).
-        self.save_hyperparameters({"model": model if isinstance(model, str) else dataclasses.asdict(model),
+        self.save_hyperparameters({"model": model if isinstance(model, str) else dataclasses.asdict(config),
                                    "vocab_size": vocab_size, "max_seq_len": max_seq_len, "lr": lr, "betas": list(betas),
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "decay_steps": decay_steps, "min_lr_ratio": min_lr_ratio})

@@ -9,6 +9,7 @@ import torch
 
 from llama_module import Llama, LlamaConfig, RopeScaling
 from llama_module.args import FLAVORS, get_flavor
+from llama_module.hf import to_hf_state_dict
 
 CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, ffn_dim=96, max_seq_len=64,
                      rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -30,31 +31,8 @@ def _hf_llama(config: LlamaConfig) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(hf_config).eval()
 
 
-def _to_hf_layout(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    # Ours rotates interleaved pairs (2i, 2i+1); HF rotates (i, i + head_dim/2): reorder q/k rows per head.
-    out_features, dim = weight.shape
-    return weight.view(n_heads, out_features // n_heads // 2, 2, dim).transpose(1, 2).reshape(out_features, dim)
-
-
 def _copy_weights(ours: Llama, hf: torch.nn.Module) -> None:
-    c = ours.config
-    sd = ours.state_dict()
-    hf_sd = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"],
-             "lm_head.weight": sd["output.weight"]}
-    for i in range(c.n_layers):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        hf_sd |= {
-            q + "self_attn.q_proj.weight": _to_hf_layout(sd[p + "attention.wq.weight"], c.n_heads),
-            q + "self_attn.k_proj.weight": _to_hf_layout(sd[p + "attention.wk.weight"], c.n_kv_heads),
-            q + "self_attn.v_proj.weight": sd[p + "attention.wv.weight"],
-            q + "self_attn.o_proj.weight": sd[p + "attention.wo.weight"],
-            q + "mlp.gate_proj.weight": sd[p + "feed_forward.w1.weight"],
-            q + "mlp.up_proj.weight": sd[p + "feed_forward.w3.weight"],
-            q + "mlp.down_proj.weight": sd[p + "feed_forward.w2.weight"],
-            q + "input_layernorm.weight": sd[p + "attention_norm.weight"],
-            q + "post_attention_layernorm.weight": sd[p + "ffn_norm.weight"],
-        }
-    missing, unexpected = hf.load_state_dict(hf_sd, strict=False)
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(ours.state_dict(), ours.config), strict=False)
     assert not unexpected and all("rotary" in key for key in missing), (missing, unexpected)
 
 

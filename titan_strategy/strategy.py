@@ -30,8 +30,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from titan_strategy.checkpoint import check_weights_source, load_model_weights, optimizer_state_dict
 from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
-from titan_strategy.checkpoint import optimizer_state_dict
 from titan_strategy.checkpoint import save_checkpoint as save_dcp_checkpoint
 from titan_strategy.knobs import check_knobs
 from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
@@ -84,6 +84,9 @@ class TitanStrategy(ParallelStrategy):
             block in backward (less activation memory for about one more forward).
         process_group_backend: "gloo", "nccl", ...; None picks by device.
         timeout_seconds: process-group timeout; a collective that waits longer fails instead of hanging.
+        initial_weights: a checkpoint whose model weights replace the initialization (a TitanStrategy
+            checkpoint of any layout, or a weights checkpoint from ``titan-hf import``); optimizer and
+            loop state start fresh. A ``ckpt_path`` given to ``fit`` still takes precedence.
     """
 
     strategy_name = "titan"
@@ -109,6 +112,7 @@ class TitanStrategy(ParallelStrategy):
         activation_checkpointing: Literal["none", "full"] = "none",
         process_group_backend: str | None = None,
         timeout_seconds: float = 1800.0,
+        initial_weights: str | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
     ) -> None:
@@ -136,6 +140,9 @@ class TitanStrategy(ParallelStrategy):
         self._pipeline: PipelineRunner | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout_seconds)
+        self.initial_weights = Path(initial_weights) if initial_weights is not None else None
+        if self.initial_weights is not None:
+            check_weights_source(self.initial_weights)
         self._dims: ParallelDims | None = None
         self._mesh: TitanMesh | None = None
         self.num_nodes = 1
@@ -255,6 +262,8 @@ class TitanStrategy(ParallelStrategy):
             materialize_with_reset_parameters(self.model, self.root_device)
         precision.on_grad_norm = self._log_grad_norm
         self.model_to_device()
+        if self.initial_weights is not None:
+            load_model_weights(self.initial_weights, module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
