@@ -65,29 +65,26 @@ def _check_names(given: set[str], expected: set[str], side: str) -> None:
                          f"{' ...' if len(unexpected) > 5 else ''}.")
 
 
-def to_hf_state_dict(state: dict[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
-    """Our full (unsharded) state dict -> ``LlamaForCausalLM``'s."""
-    names = _names(config)
-    _check_names(set(state), set(names), "Llama")
+def _convert(state: dict[str, Tensor], config: LlamaConfig, *, to_hf: bool) -> dict[str, Tensor]:
+    names = _names(config)  # ours -> HF's
+    _check_names(set(state), set(names.values() if not to_hf else names), "Llama" if to_hf else "Hugging Face")
+    reorder = _pairs_to_halves if to_hf else _halves_to_pairs
     converted = {}
     for ours, theirs in names.items():
+        source, target = (ours, theirs) if to_hf else (theirs, ours)
         heads = _rotary_heads(config, ours)
-        weight = state[ours]
-        converted[theirs] = (_pairs_to_halves(weight, heads) if heads else weight).contiguous()
+        converted[target] = (reorder(state[source], heads) if heads else state[source]).contiguous()
     return converted
+
+
+def to_hf_state_dict(state: dict[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
+    """Our full (unsharded) state dict -> ``LlamaForCausalLM``'s."""
+    return _convert(state, config, to_hf=True)
 
 
 def from_hf_state_dict(state: dict[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
     """``LlamaForCausalLM``'s state dict -> ours (rotary buffers HF may store are dropped)."""
-    names = _names(config)
-    state = {name: tensor for name, tensor in state.items() if "rotary_emb" not in name}
-    _check_names(set(state), set(names.values()), "Hugging Face")
-    converted = {}
-    for ours, theirs in names.items():
-        heads = _rotary_heads(config, ours)
-        weight = state[theirs]
-        converted[ours] = (_halves_to_pairs(weight, heads) if heads else weight).contiguous()
-    return converted
+    return _convert({name: tensor for name, tensor in state.items() if "rotary_emb" not in name}, config, to_hf=False)
 
 
 def hf_config(config: LlamaConfig, torch_dtype: str = "bfloat16") -> dict[str, Any]:

@@ -60,6 +60,18 @@ def assert_full_run_matches(records: list[dict[str, Any]], reference: dict[str, 
     assert total == pytest.approx(reference["prediction_abs_sum"], rel=RTOL)
 
 
+def assert_resume_continues(original: list[dict[str, Any]], resumed: list[dict[str, Any]], saved_at: int,
+                            steps: int) -> None:
+    """A run resumed from ``original``'s step-``saved_at`` checkpoint logs the losses and grad norms
+    that ``original`` logged after that step, identically on every rank."""
+    _assert_identical_on_all_ranks(resumed)
+    expected = [step for step in original[0]["steps"] if step["step"] > saved_at]
+    assert [step["step"] for step in resumed[0]["steps"]] == list(range(saved_at + 1, steps + 1))
+    for before, after in zip(expected, resumed[0]["steps"]):
+        assert after["train_loss"] == pytest.approx(before["train_loss"], rel=RTOL), (before, after)
+        assert after["grad_norm"] == pytest.approx(before["grad_norm"], rel=RTOL), (before, after)
+
+
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("single")

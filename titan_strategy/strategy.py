@@ -413,7 +413,8 @@ class TitanStrategy(ParallelStrategy):
             return closure_loss
         # Lightning calls backward outside training_step; the vocab-parallel cross-entropy and the
         # ring attention backward need the same contexts as their forward.
-        ring = ring_attention(self.context_parallel_rotate_method) if self._sequence_sharder else nullcontext()
+        sharder = self._sequence_sharder
+        ring = ring_attention(sharder.rotate_method) if sharder else nullcontext()
         with loss_parallel_context(self._loss_parallel_active), ring:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
