@@ -114,34 +114,6 @@ def test_bf16_mixed_trains_close_to_fp32(single_process: dict, tmp_path: Path, t
     _assert_close_per_step(bf16, fp32, rtol=2e-2)
 
 
-def test_resume_continues_the_same_trajectory(tmp_path: Path, test_env: dict[str, str]) -> None:
-    # Text data: the resumed run must also restore each data-parallel rank's position in its stream.
-    spec = {"steps": 8, "batch_size": 2, "clip": 1.0, "data": "text"}
-    checkpoint = tmp_path / "mid.ckpt"
-    full = launch(2, {**spec, "save_at": 4, "save_path": str(checkpoint)}, tmp_path / "full", test_env)
-    resumed = launch(2, {**spec, "resume_from": str(checkpoint)}, tmp_path / "resumed", test_env)
-    full_tail = [s for s in full[0]["steps"] if s["step"] > 4]
-    assert [s["step"] for s in resumed[0]["steps"]] == [5, 6, 7, 8]
-    for before, after in zip(full_tail, resumed[0]["steps"]):
-        assert after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-6), (before, after)
-        assert after["grad_norm"] == pytest.approx(before["grad_norm"], rel=1e-6), (before, after)
-    _assert_identical_on_all_ranks(resumed)
-
-
-def test_resume_with_more_data_parallel_ranks_fails_clearly_on_every_rank(tmp_path: Path,
-                                                                           test_env: dict[str, str]) -> None:
-    # Positions were saved for 2 data-parallel ranks; ranks 2 and 3 have none. All 4 must stop with
-    # the same error (none may wait in a collective for the others).
-    spec = {"steps": 2, "batch_size": 2, "data": "text"}
-    checkpoint = tmp_path / "dp2.ckpt"
-    launch(2, {**spec, "save_at": 2, "save_path": str(checkpoint)}, tmp_path / "dp2", test_env)
-    with pytest.raises(AssertionError) as failure:
-        launch(4, {**spec, "steps": 3, "resume_from": str(checkpoint)}, tmp_path / "dp4", test_env)
-    for rank in (2, 3):  # the ranks that hold no saved position raise too, instead of hanging
-        assert f"\nrank{rank}: ValueError: {checkpoint} holds dataloader positions for 2 data-parallel ranks, " \
-               "but this run has 4" in str(failure.value)
-
-
 def test_self_parallelized_module_runs_unchanged(tmp_path: Path, test_env: dict[str, str]) -> None:
     # A ModelParallelStrategy-style module shards itself in configure_model with
     # self.device_mesh["data_parallel"]; its reset_parameters() init must not depend on the layout.

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
+import titan_strategy.checkpoint.io as checkpoint_io
 from llama_module import LlamaConfig, LlamaModule, TextDataModule
 from titan_strategy import TitanStrategy
 
@@ -87,6 +92,38 @@ def _evaluate(trainer: L.Trainer, model: L.LightningModule, spec: dict[str, Any]
             "prediction_abs_sum": float(sum(p.double().abs().sum() for p in predictions))}
 
 
+class RemovalLog:
+    """Which complete checkpoints existed each time one named ``*.ckpt`` was removed."""
+
+    def __init__(self) -> None:
+        self.removals: list[dict[str, Any]] = []
+        remove = checkpoint_io._remove
+
+        def logged(path: Path) -> None:
+            if path.suffix == ".ckpt":
+                self.removals.append({"removed": path.name, "complete": sorted(
+                    p.name for p in path.parent.glob("*.ckpt") if p != path and (p / "titan_checkpoint.json").is_file())})
+            remove(path)
+
+        checkpoint_io._remove = logged
+
+
+def _interfere_with_writes(slow_s: float, kill: dict[str, int] | None) -> None:
+    """Make each DCP shard write take ``slow_s`` longer; SIGKILL rank ``kill["rank"]`` in its ``kill["save"]``-th."""
+    write_data = dcp.FileSystemWriter.write_data
+    writes = 0
+
+    def interfered(self: dcp.FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+        nonlocal writes
+        writes += 1
+        if kill is not None and int(os.environ["RANK"]) == kill["rank"] and writes == kill["save"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(slow_s)
+        return write_data(self, *args, **kwargs)
+
+    dcp.FileSystemWriter.write_data = interfered
+
+
 COUNTED_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
                  "on_before_zero_grad", "on_before_optimizer_step", "on_validation_batch_end", "on_validation_end")
 
@@ -95,8 +132,9 @@ class Recorder(Callback):
     """Collects what Lightning logged at each optimizer step and how often each hook ran; saves a
     checkpoint when asked."""
 
-    def __init__(self, save_at: int | None, save_path: str | None) -> None:
+    def __init__(self, save_at: int | None, save_path: str | None, rng_probe: bool = False) -> None:
         self.steps: list[dict[str, float]] = []
+        self.rng_probe = rng_probe
         self.val_losses: list[float] = []
         self.hook_calls = dict.fromkeys(COUNTED_HOOKS, 0)
         self.training_mode_after_validation: list[bool] = []
@@ -119,6 +157,8 @@ class Recorder(Callback):
         stepped = not self.steps or self.steps[-1]["step"] != trainer.global_step
         if stepped and "grad_norm" in metrics:  # logged by the optimizer step this batch completed
             record["grad_norm"] = float(metrics["grad_norm"])
+        if self.rng_probe:  # one draw from each generator a checkpoint restores
+            record["rng"] = [torch.rand(1).item(), random.random(), float(np.random.rand())]
         self.steps.append(record)
         if self.save_at is not None and trainer.global_step == self.save_at:
             trainer.save_checkpoint(self.save_path)
@@ -142,13 +182,19 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     else:
         # Short, so that a hang fails the test; compiling runs may ask for longer (cold inductor cache).
         strategy = TitanStrategy(**spec.get("strategy", {}), timeout_seconds=spec.get("timeout_seconds", 60))
-    recorder = Recorder(spec.get("save_at"), spec.get("save_path"))
+    recorder = Recorder(spec.get("save_at"), spec.get("save_path"), spec.get("rng_probe", False))
     callbacks = [recorder, *(_lightning_callbacks(out_dir) if spec.get("lightning_callbacks") else [])]
+    if "model_checkpoint" in spec:  # ModelCheckpoint's arguments, dirpath included
+        callbacks.append(ModelCheckpoint(**spec["model_checkpoint"]))
+    removal_log = RemovalLog()
+    if spec.get("slow_writes_s") or spec.get("kill_during_save"):
+        _interfere_with_writes(spec.get("slow_writes_s", 0.0), spec.get("kill_during_save"))
     trainer = L.Trainer(
         accelerator=spec.get("accelerator", "cpu"), devices=spec.get("devices", 1), strategy=strategy, precision=spec.get("precision", "32-true"),
         max_steps=spec["steps"], accumulate_grad_batches=spec.get("accumulate", 1),
         gradient_clip_val=spec.get("clip"), callbacks=callbacks, logger=False,
-        enable_checkpointing=bool(spec.get("lightning_callbacks")), enable_progress_bar=bool(spec.get("progress_bar")),
+        enable_checkpointing=bool(spec.get("lightning_callbacks") or "model_checkpoint" in spec),
+        enable_progress_bar=bool(spec.get("progress_bar")),
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2 if spec.get("validate") else 0,
         limit_test_batches=2, limit_predict_batches=2,
         val_check_interval=spec.get("val_every", spec["steps"]) if spec.get("validate") else None,
@@ -172,7 +218,8 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
               "hook_calls": recorder.hook_calls, "training_mode_after_validation": recorder.training_mode_after_validation,
               "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step,
-              "batch_rank": trainer.strategy.distributed_sampler_kwargs["rank"] if trainer.world_size > 1 else 0}
+              "batch_rank": trainer.strategy.distributed_sampler_kwargs["rank"] if trainer.world_size > 1 else 0,
+              "removals": removal_log.removals}
     if spec.get("lightning_callbacks"):
         checkpoint = trainer.checkpoint_callback
         result |= {"best_model_score": float(checkpoint.best_model_score),

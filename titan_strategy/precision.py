@@ -39,6 +39,8 @@ class TitanPrecision(Precision):
         self.device_type = device_type
         self.use_autocast = False
         self.on_grad_norm: Callable[[Tensor], None] | None = None
+        # Set by the strategy: waits until an async checkpoint has copied the parameters the step will change.
+        self.before_parameter_update: Callable[[], None] | None = None
         # Set by the strategy under pipeline parallelism: the norm spans every stage's parameters.
         self.grad_norm_group: ProcessGroup | None = None
 
@@ -71,6 +73,8 @@ class TitanPrecision(Precision):
         clipped_by_norm = bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm == "norm"
         if not clipped_by_norm and self.on_grad_norm is not None:
             self.on_grad_norm(total_grad_norm(_parameters(optimizer), group=self.grad_norm_group))
+        if self.before_parameter_update is not None:
+            self.before_parameter_update()
 
 
 def _parameters(optimizer: Optimizer) -> list[torch.nn.Parameter]:

@@ -18,11 +18,12 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -30,9 +31,17 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from titan_strategy.checkpoint import check_weights_source, load_model_weights, optimizer_state_dict
+from titan_strategy.checkpoint import (
+    CHECKPOINT_MODES,
+    DistributedCheckpointIO,
+    RankPlace,
+    check_weights_source,
+    load_model_weights,
+    newest_complete_checkpoint,
+    optimizer_state_dict,
+    restore_rng_states,
+)
 from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
-from titan_strategy.checkpoint import save_checkpoint as save_dcp_checkpoint
 from titan_strategy.knobs import check_knobs
 from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
 from titan_strategy.parallelize import ParallelizeConfig, parallelize
@@ -48,7 +57,7 @@ from titan_strategy.precision import TitanPrecision, to_titan_precision
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["TitanStrategy", "PIPELINE_SCHEDULES"]
+__all__ = ["TitanStrategy", "CHECKPOINT_MODES", "PIPELINE_SCHEDULES"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +96,11 @@ class TitanStrategy(ParallelStrategy):
         initial_weights: a checkpoint whose model weights replace the initialization (a TitanStrategy
             checkpoint of any layout, or a weights checkpoint from ``titan-hf import``); optimizer and
             loop state start fresh. A ``ckpt_path`` given to ``fit`` still takes precedence.
+        checkpoint_mode: how checkpoints are written (``DistributedCheckpointIO``): "sync"; "async" (copied to
+            host memory in the loop, written by a background thread); or "async_pinned" (CUDA: copied to pinned
+            memory on a side stream while training goes on, written by a background process).
+        auto_resume: ``fit`` without a ``ckpt_path`` resumes from the newest complete checkpoint that a
+            ``ModelCheckpoint`` of the trainer wrote, if there is one (a restarted job picks up where it left off).
     """
 
     strategy_name = "titan"
@@ -113,10 +127,18 @@ class TitanStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout_seconds: float = 1800.0,
         initial_weights: str | None = None,
+        checkpoint_mode: Literal["sync", "async", "async_pinned"] = "sync",
+        auto_resume: bool = False,
         cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
+        checkpoint_io: DistributedCheckpointIO | None = None,
     ) -> None:
-        super().__init__(cluster_environment=cluster_environment, checkpoint_io=checkpoint_io)
+        if checkpoint_io is not None and checkpoint_mode != checkpoint_io.mode:
+            raise ValueError(f"checkpoint_mode={checkpoint_mode!r} contradicts checkpoint_io (mode "
+                             f"{checkpoint_io.mode!r}); pass one of them.")
+        # Left unset in Strategy until first read, so that a checkpoint-IO plugin of the Trainer reaches the
+        # setter's check instead of Lightning's "set through both" error.
+        self._titan_checkpoint_io = checkpoint_io or DistributedCheckpointIO(checkpoint_mode)
+        super().__init__(cluster_environment=cluster_environment)
         self.pipeline = PipelineConfig(
             size=pipeline_parallel_size, schedule=pipeline_schedule, microbatches=pipeline_microbatches,
             stages_per_rank=pipeline_stages_per_rank, layers_per_stage=pipeline_layers_per_stage,
@@ -143,6 +165,10 @@ class TitanStrategy(ParallelStrategy):
         self.initial_weights = Path(initial_weights) if initial_weights is not None else None
         if self.initial_weights is not None:
             check_weights_source(self.initial_weights)
+        self.auto_resume = auto_resume
+        self._checkpoint_group: dist.ProcessGroup | None = None
+        self._fitting = False
+        self._rng_states_for_next_batch: bytes | None = None
         self._dims: ParallelDims | None = None
         self._mesh: TitanMesh | None = None
         self.num_nodes = 1
@@ -201,6 +227,7 @@ class TitanStrategy(ParallelStrategy):
         if self.async_tensor_parallel and self.root_device.type != "cuda":
             raise ValueError(f"async_tensor_parallel=True runs on CUDA only (symmetric memory), not on "
                              f"{self.root_device.type!r}; set async_tensor_parallel=False.")
+        self.checkpoint_io.check_device(self.root_device)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -214,6 +241,10 @@ class TitanStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         if self._mesh is None:  # a later trainer.validate/test/predict keeps the mesh the model is sharded on
             self._mesh = build_mesh(self.parallel_dims, self.root_device.type)
+            # Checkpoints coordinate over a gloo group of their own, so background saves never interleave with
+            # the training loop's collectives.
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        self.checkpoint_io.setup(self._checkpoint_group, self._rank_place(), self.root_device)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._mesh
 
@@ -261,13 +292,27 @@ class TitanStrategy(ParallelStrategy):
             precision.use_autocast = True
             materialize_with_reset_parameters(self.model, self.root_device)
         precision.on_grad_norm = self._log_grad_norm
+        precision.before_parameter_update = self.checkpoint_io.wait_for_staging
         self.model_to_device()
         if self.initial_weights is not None:
-            load_model_weights(self.initial_weights, module)
+            load_model_weights(self.initial_weights, module, self._checkpoint_group)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self.auto_resume and trainer.state.fn == TrainerFn.FITTING and trainer.ckpt_path is None:
+            self._resume_from_newest(trainer)
+
+    def _resume_from_newest(self, trainer: pl.Trainer) -> None:
+        folders = [Path(callback.dirpath) for callback in trainer.checkpoint_callbacks
+                   if isinstance(callback, ModelCheckpoint) and callback.dirpath]
+        newest = self.broadcast(newest_complete_checkpoint(folders) if self.is_global_zero else None)
+        if newest is None:
+            rank_zero_info(f"auto_resume: no complete checkpoint in {[str(f) for f in folders]}; training from the start.")
+            return
+        # Lightning chose ckpt_path before the strategy could see the trainer; loading here, before Lightning
+        # restores modules, callbacks and loops from the loaded dict, is the same as fit(ckpt_path=newest).
+        trainer._checkpoint_connector.resume_start(newest)
 
     def _check_plan_support(self) -> None:
         if self.parallel_dims.pp > 1 and not self.lightning_module.automatic_optimization:
@@ -418,6 +463,26 @@ class TitanStrategy(ParallelStrategy):
         with loss_parallel_context(self._loss_parallel_active), ring:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
+    def on_train_start(self) -> None:
+        self._fitting = True
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._rng_states_for_next_batch is not None:
+            restore_rng_states(self._rng_states_for_next_batch, self.root_device)
+            self._rng_states_for_next_batch = None
+
+    @override
+    def on_train_end(self) -> None:
+        self._fitting = False
+        self.checkpoint_io.flush()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._fitting = False
+        self.checkpoint_io.flush_after_exception()
+
     def _log_grad_norm(self, norm: Tensor) -> None:
         self.lightning_module.log("grad_norm", norm, on_step=True, prog_bar=True)
 
@@ -498,23 +563,48 @@ class TitanStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded in load_checkpoint
 
+    @property
+    @override
+    def checkpoint_io(self) -> DistributedCheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = self._titan_checkpoint_io
+        assert isinstance(self._checkpoint_io, DistributedCheckpointIO)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        if not isinstance(io, DistributedCheckpointIO):
+            raise ValueError(f"TitanStrategy writes sharded checkpoints through DistributedCheckpointIO, not "
+                             f"{type(io).__name__}; remove that plugin and choose TitanStrategy(checkpoint_mode=...).")
+        self._checkpoint_io = io
+
+    def _rank_place(self) -> RankPlace:
+        batch = self.device_mesh["batch"]
+        return RankPlace(rank=self.global_rank, world_size=self.world_size, batch_rank=batch.get_local_rank(),
+                         batch_world_size=batch.size())
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
                         storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("TitanStrategy.save_checkpoint does not take storage_options: it writes DCP directly.")
-        batch = self.device_mesh["batch"]
-        save_dcp_checkpoint(checkpoint, Path(self.broadcast(str(filepath))), batch_rank=batch.get_local_rank(),
-                            batch_world_size=batch.size(), is_global_zero=self.is_global_zero)
+        self.checkpoint_io.save_checkpoint(checkpoint, self.broadcast(str(filepath)), storage_options)
+        if not self._fitting:  # outside fit nothing would flush it before the process ends
+            self.checkpoint_io.flush()
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        batch = self.device_mesh["batch"]
-        return load_dcp_checkpoint(
-            Path(self.broadcast(str(checkpoint_path))), self.lightning_module, self.optimizers,
-            batch_rank=batch.get_local_rank(), batch_world_size=batch.size(),
-            strict=self.lightning_module.strict_loading, weights_only=weights_only,
+        self.checkpoint_io.flush()
+        assert self._checkpoint_group is not None
+        loaded = load_dcp_checkpoint(
+            Path(self.broadcast(str(checkpoint_path))), self.lightning_module, self.optimizers, self._rank_place(),
+            strict=self.lightning_module.strict_loading, weights_only=weights_only, group=self._checkpoint_group,
         )
+        if loaded.rng_states is not None:
+            if loaded.rng_before_next_epoch:
+                restore_rng_states(loaded.rng_states, self.root_device)
+            else:
+                self._rng_states_for_next_batch = loaded.rng_states
+        return loaded.lightning
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:

@@ -1,6 +1,16 @@
-"""Checkpoint IO for TitanStrategy: full Lightning checkpoints (``dcp``) and model weights alone (``weights``)."""
+"""Checkpoints for TitanStrategy: what they hold (``dcp``), how they are written (``io``), when they count as
+complete (``manifest``), per-rank RNG states (``rng``) and model weights alone (``weights``)."""
 
-from titan_strategy.checkpoint.dcp import is_titan_checkpoint, load_checkpoint, optimizer_state_dict, save_checkpoint
+from titan_strategy.checkpoint.dcp import (
+    RankPlace,
+    is_titan_checkpoint,
+    load_checkpoint,
+    newest_complete_checkpoint,
+    optimizer_state_dict,
+)
+from titan_strategy.checkpoint.io import CHECKPOINT_MODES, DistributedCheckpointIO, SaveTiming
+from titan_strategy.checkpoint.manifest import CorruptCheckpointError
+from titan_strategy.checkpoint.rng import restore_rng_states
 from titan_strategy.checkpoint.weights import (
     check_weights_source,
     load_model_weights,
@@ -9,6 +19,7 @@ from titan_strategy.checkpoint.weights import (
     write_model_weights,
 )
 
-__all__ = ["check_weights_source", "is_titan_checkpoint", "load_checkpoint", "load_model_weights",
-           "optimizer_state_dict", "read_hyper_parameters", "read_model_weights", "save_checkpoint",
-           "write_model_weights"]
+__all__ = ["CHECKPOINT_MODES", "CorruptCheckpointError", "DistributedCheckpointIO", "RankPlace", "SaveTiming",
+           "check_weights_source", "is_titan_checkpoint", "load_checkpoint", "load_model_weights",
+           "newest_complete_checkpoint", "optimizer_state_dict", "read_hyper_parameters", "read_model_weights",
+           "restore_rng_states", "write_model_weights"]

@@ -1,20 +1,22 @@
-"""Sharded checkpoints through torch.distributed.checkpoint (DCP), laid out for Lightning.
+"""What a TitanStrategy checkpoint holds, and how it loads into any mesh layout.
 
-A checkpoint is a directory: DCP's shard files hold the model, every optimizer and each
-data-parallel rank's dataloader position; ``lightning_state.pt`` (written by rank 0, last) holds
-the rest of Lightning's checkpoint dict (loops, callbacks, LR schedulers, hyper-parameters).
-Because DCP stores parameters by name with their global shapes, a checkpoint loads into another
-mesh layout.
+A checkpoint is a directory. DCP's shard files hold the model, every optimizer, each data-parallel
+rank's dataloader position and each rank's RNG states; ``lightning_state.pt`` (rank 0) holds the
+rest of Lightning's checkpoint dict (loops, callbacks, LR schedulers, hyper-parameters); the
+manifest (``manifest.py``) marks it complete. DCP stores parameters by name with their global
+shapes, so a checkpoint loads into another layout. Writing is ``io.py``'s part.
 """
 
 from __future__ import annotations
 
 import io
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -26,13 +28,37 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-__all__ = ["LIGHTNING_STATE_FILE", "is_titan_checkpoint", "optimizer_state_dict", "save_checkpoint", "load_checkpoint"]
+from titan_strategy.checkpoint.manifest import MANIFEST_FILE, is_complete, verify_files
+
+__all__ = ["LIGHTNING_STATE_FILE", "LoadedCheckpoint", "RankPlace", "is_titan_checkpoint", "load_checkpoint",
+           "newest_complete_checkpoint", "optimizer_state_dict", "split_checkpoint", "to_bytes"]
 
 LIGHTNING_STATE_FILE = "lightning_state.pt"
-_DATA_WORLD_KEY = "titan_batch_world_size"
+_LAYOUT_KEY = "titan_layout"
+_DATALOADER_PREFIX = "dataloader.batch_rank_"
+_RNG_PREFIX = "rng.rank_"
 # One entry per parameter name, hyper-parameters included: pipeline ranks hold different parameters,
 # and a nested param_groups list (saved once, by rank 0) would name only rank 0's.
 _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where this process sits: its rank in the world and among the data-parallel (batch) ranks."""
+
+    rank: int
+    world_size: int
+    batch_rank: int
+    batch_world_size: int
+
+
+@dataclass
+class LoadedCheckpoint:
+    lightning: dict[str, Any]
+    rng_states: bytes | None  # None when the checkpoint came from another number of ranks
+    # Whether the RNG states belong before the next epoch's dataloader is created (saved at an epoch's
+    # last batch) or at the next training batch (saved mid-epoch, where no new iterator draws a seed).
+    rng_before_next_epoch: bool
 
 
 def optimizer_state_dict(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -41,100 +67,100 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer) -> dict[str, A
 
 
 def is_titan_checkpoint(path: Path) -> bool:
-    return (path / LIGHTNING_STATE_FILE).is_file()
+    return is_complete(path) and (path / LIGHTNING_STATE_FILE).is_file()
 
 
-def _loader_state_slot(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
-    """The fit loop's state dict, where Lightning keeps a stateful dataloader's position."""
-    return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+def newest_complete_checkpoint(folders: list[Path]) -> str | None:
+    """The complete checkpoint in ``folders`` whose marker was written last (partial saves carry no ``.ckpt`` name)."""
+    complete = [path for folder in folders if folder.is_dir() for path in folder.glob("*.ckpt") if is_titan_checkpoint(path)]
+    if not complete:
+        return None
+    return str(max(complete, key=lambda path: ((path / MANIFEST_FILE).stat().st_mtime_ns, path.name)))
 
 
-_DATALOADER_PREFIX = "dataloader.batch_rank_"
+def _fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    return checkpoint.get("loops", {}).get("fit_loop", {})
 
 
 def _dataloader_key(batch_rank: int) -> str:
     return f"{_DATALOADER_PREFIX}{batch_rank}"
 
 
-def save_checkpoint(checkpoint: dict[str, Any], path: Path, *, batch_rank: int, batch_world_size: int,
-                    is_global_zero: bool) -> None:
-    """Write Lightning's checkpoint dict (model/optimizer states already sharded) to ``path``.
-
-    Every rank calls this. The dataloader position is per rank: each batch rank stores its own
-    under its own key (ranks of one replica hold identical positions; DCP writes one copy).
-    """
-    if is_global_zero:
-        if path.is_file():
-            path.unlink()
-        # Overwriting (e.g. last.ckpt): drop the completion marker first, so a save that dies midway
-        # leaves a directory that no loader takes for complete.
-        (path / LIGHTNING_STATE_FILE).unlink(missing_ok=True)
-    state: dict[str, Any] = {"model": checkpoint.pop("state_dict")}
-    for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-        state[f"optimizer_{index}"] = optimizer_state
-    loop_state = _loader_state_slot(checkpoint)
-    if loop_state is not None and "combined_loader" in loop_state:
-        state[_dataloader_key(batch_rank)] = _to_bytes(loop_state.pop("combined_loader"))
-    with warnings.catch_warnings():
-        # Overwriting last.ckpt is intended; its completion marker was removed above.
-        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
-    if is_global_zero:
-        # Written after every shard, so its presence means DCP finished on all ranks.
-        checkpoint[_DATA_WORLD_KEY] = batch_world_size
-        torch.save(checkpoint, path / LIGHTNING_STATE_FILE)
-
-
-def load_checkpoint(path: Path, module: nn.Module, optimizers: list[Optimizer], *, batch_rank: int,
-                    batch_world_size: int, strict: bool, weights_only: bool | None) -> dict[str, Any]:
-    """Load model and optimizer states into ``module``/``optimizers`` in place; return Lightning's dict.
-
-    Raises:
-        FileNotFoundError: ``path`` is not a complete TitanStrategy checkpoint.
-        ValueError: the dataloader position was saved under another data-parallel degree.
-    """
-    if not is_titan_checkpoint(path):
-        raise FileNotFoundError(
-            f"{path} is not a complete TitanStrategy checkpoint (no {LIGHTNING_STATE_FILE}); pass the directory "
-            "that Trainer.save_checkpoint or ModelCheckpoint wrote under TitanStrategy."
-        )
-    checkpoint = torch.load(path / LIGHTNING_STATE_FILE, map_location="cpu",
-                            weights_only=True if weights_only is None else weights_only)
-    state: dict[str, Any] = {"model": get_model_state_dict(module)}
-    for index, optimizer in enumerate(optimizers):
-        state[f"optimizer_{index}"] = optimizer_state_dict(module, optimizer)
-    loop_state = _loader_state_slot(checkpoint)
-    saved_world = checkpoint.pop(_DATA_WORLD_KEY)
-    # Decided from what the checkpoint holds, not from this rank's key, so that every rank takes the
-    # same branch (a rank that raised alone would leave the others waiting in dcp.load).
-    restore_loader = loop_state is not None and _has_dataloader_state(path)
-    if restore_loader:
-        if saved_world != batch_world_size:
-            raise ValueError(
-                f"{path} holds dataloader positions for {saved_world} data-parallel ranks, but this run has "
-                f"{batch_world_size}. Resume with the same data_parallel_replicate_size x data_parallel_shard_size, "
-                "or use a dataloader without saved state."
-            )
-        state[_dataloader_key(batch_rank)] = b""
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
-    for index, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"], options=_OPTIMIZER_OPTIONS)
-    if restore_loader:
-        loop_state["combined_loader"] = torch.load(io.BytesIO(state[_dataloader_key(batch_rank)]), weights_only=True)
-    return checkpoint
-
-
-def _has_dataloader_state(path: Path) -> bool:
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return any(key.startswith(_DATALOADER_PREFIX) for key in keys)
-
-
-def _to_bytes(obj: Any) -> bytes:
-    # One opaque blob per rank: DCP then needs no knowledge of the loader state's structure to load
-    # it, and it is read back with weights_only=True (plain containers and numbers only).
+def to_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
 
 
+def split_checkpoint(checkpoint: dict[str, Any], place: RankPlace, rng_states: bytes) -> dict[str, Any]:
+    """Move the sharded and per-rank entries of Lightning's checkpoint dict into a DCP state dict.
+
+    ``checkpoint`` keeps the rest, plus the layout it was saved under. The dataloader position is
+    per batch rank (ranks of one replica hold identical positions and DCP writes one copy); it and
+    the RNG states are opaque blobs, so DCP needs no knowledge of their structure and they load
+    back with ``weights_only=True``.
+    """
+    state: dict[str, Any] = {"model": checkpoint.pop("state_dict"), f"{_RNG_PREFIX}{place.rank}": rng_states}
+    for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        state[f"optimizer_{index}"] = optimizer_state
+    fit_loop = _fit_loop_state(checkpoint)
+    loop_state = fit_loop.get("state_dict", {})
+    if "combined_loader" in loop_state:
+        state[_dataloader_key(place.batch_rank)] = to_bytes(loop_state.pop("combined_loader"))
+    checkpoint[_LAYOUT_KEY] = {
+        "world_size": place.world_size, "batch_world_size": place.batch_world_size,
+        "saved_at_last_batch": bool(fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch", True)),
+    }
+    return state
+
+
+def load_checkpoint(path: Path, module: nn.Module, optimizers: list[Optimizer], place: RankPlace, *,
+                    strict: bool, weights_only: bool | None, group: dist.ProcessGroup) -> LoadedCheckpoint:
+    """Verify ``path``, then load model and optimizer states into ``module``/``optimizers`` in place.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete TitanStrategy checkpoint.
+        CorruptCheckpointError: a file differs from what was written.
+        ValueError: the dataloader position was saved under another data-parallel degree.
+    """
+    if not is_titan_checkpoint(path):
+        raise FileNotFoundError(
+            f"{path} is not a complete TitanStrategy checkpoint (no {MANIFEST_FILE}: the save never finished, or "
+            "this is not such a directory); pass a checkpoint that Trainer.save_checkpoint or ModelCheckpoint wrote "
+            "under TitanStrategy, or ckpt_path='last' to take the newest complete one."
+        )
+    verify_files(path, group)
+    checkpoint = torch.load(path / LIGHTNING_STATE_FILE, map_location="cpu",
+                            weights_only=True if weights_only is None else weights_only)
+    layout = checkpoint.pop(_LAYOUT_KEY)
+    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    for index, optimizer in enumerate(optimizers):
+        state[f"optimizer_{index}"] = optimizer_state_dict(module, optimizer)
+    loop_state = _fit_loop_state(checkpoint).get("state_dict")
+    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    # Decided from what the checkpoint holds, not from this rank's key, so that every rank takes the
+    # same branch (a rank that raised alone would leave the others waiting in dcp.load).
+    restore_loader = loop_state is not None and any(key.startswith(_DATALOADER_PREFIX) for key in saved_keys)
+    if restore_loader:
+        if layout["batch_world_size"] != place.batch_world_size:
+            raise ValueError(
+                f"{path} holds dataloader positions for {layout['batch_world_size']} data-parallel ranks, but this run "
+                f"has {place.batch_world_size}. Resume with the same data_parallel_replicate_size x "
+                "data_parallel_shard_size, or use a dataloader without saved state."
+            )
+        state[_dataloader_key(place.batch_rank)] = b""
+    same_ranks = layout["world_size"] == place.world_size
+    if same_ranks:
+        state[f"{_RNG_PREFIX}{place.rank}"] = b""
+    dcp.load(state, checkpoint_id=path, process_group=group)
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
+    for index, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"], options=_OPTIMIZER_OPTIONS)
+    if restore_loader:
+        loop_state["combined_loader"] = torch.load(io.BytesIO(state[_dataloader_key(place.batch_rank)]),
+                                                   weights_only=True)
+    if not same_ranks and place.rank == 0:
+        warnings.warn(f"{path} was saved by {layout['world_size']} ranks and this run has {place.world_size}: "
+                      "random-number streams start from the seed instead of where they were.", stacklevel=2)
+    return LoadedCheckpoint(checkpoint, state.get(f"{_RNG_PREFIX}{place.rank}") if same_ranks else None,
+                            layout["saved_at_last_batch"])

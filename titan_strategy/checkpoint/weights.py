@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from titan_strategy.checkpoint.dcp import LIGHTNING_STATE_FILE, is_titan_checkpoint
+from titan_strategy.checkpoint.manifest import MANIFEST_FILE, verify_files
 
 __all__ = ["WEIGHTS_FILE", "check_weights_source", "load_model_weights", "read_hyper_parameters",
            "read_model_weights", "write_model_weights"]
@@ -32,8 +34,15 @@ _MODEL = "model"
 def check_weights_source(path: Path) -> None:
     """Raise unless ``path`` is a complete checkpoint of either kind."""
     if not (is_titan_checkpoint(path) or (path / WEIGHTS_FILE).is_file()):
-        raise FileNotFoundError(f"{path} is neither a complete TitanStrategy checkpoint (no {LIGHTNING_STATE_FILE}) "
+        raise FileNotFoundError(f"{path} is neither a complete TitanStrategy checkpoint (no {MANIFEST_FILE}: a save "
+                                f"that never finished has none) "
                                 f"nor a weights checkpoint (no {WEIGHTS_FILE}, as `titan-hf import` writes).")
+
+
+def _check_source(path: Path, group: dist.ProcessGroup | None = None) -> None:
+    check_weights_source(path)
+    if is_titan_checkpoint(path):
+        verify_files(path, group)
 
 
 def read_hyper_parameters(path: Path) -> dict[str, Any]:
@@ -46,7 +55,7 @@ def read_hyper_parameters(path: Path) -> dict[str, Any]:
 
 def read_model_weights(path: Path) -> dict[str, Tensor]:
     """Every model tensor of a checkpoint, whole, on the CPU of this process (no process group needed)."""
-    check_weights_source(path)
+    _check_source(path)
     prefix = _MODEL + "."
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     weights = {key.removeprefix(prefix): torch.empty(entry.size, dtype=entry.properties.dtype)
@@ -68,18 +77,18 @@ def write_model_weights(weights: dict[str, Tensor], path: Path, *, hyper_paramet
     (path / WEIGHTS_FILE).write_text(json.dumps({"hyper_parameters": hyper_parameters}, indent=2) + "\n")
 
 
-def load_model_weights(path: Path, module: nn.Module) -> None:
-    """Load a checkpoint's model weights into ``module`` (sharded in any layout); every rank calls this.
+def load_model_weights(path: Path, module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Load a checkpoint's model weights into ``module`` (sharded in any layout); every rank of ``group`` calls this.
 
     Raises:
         RuntimeError: a parameter of ``module`` is missing from the checkpoint, or has another shape.
     """
-    check_weights_source(path)
+    _check_source(path, group)
     state = {_MODEL: get_model_state_dict(module)}
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     missing = sorted(name for name in state[_MODEL] if f"{_MODEL}.{name}" not in saved)
     if missing:
         raise RuntimeError(f"{path} lacks {len(missing)} of the module's parameters ({missing[:3]} ...); it was saved "
                            "from another model.")
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, process_group=group)
     set_model_state_dict(module, state[_MODEL], options=StateDictOptions(strict=True))

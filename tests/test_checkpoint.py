@@ -1,0 +1,157 @@
+"""Production checkpointing: exact resume, async saves, crash safety, keep-latest-k, integrity checks."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.plugins import TorchCheckpointIO
+
+from tests.conftest import launch
+from titan_strategy import CorruptCheckpointError, TitanStrategy
+from titan_strategy.checkpoint import read_model_weights
+from titan_strategy.checkpoint.rng import capture_rng_states, restore_rng_states
+
+# Text data: a resumed run must also restore each data-parallel rank's position in its stream.
+TEXT = {"batch_size": 2, "clip": 1.0, "data": "text", "rng_probe": True}
+
+
+def _keep_latest_two(folder: Path) -> dict[str, Any]:
+    return {"dirpath": str(folder), "every_n_train_steps": 5, "save_top_k": 2, "monitor": "step", "mode": "max",
+            "save_last": True}
+
+
+def _complete(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir() if (path / "titan_checkpoint.json").is_file())
+
+
+def test_async_resume_repeats_an_uninterrupted_run_exactly(tmp_path: Path, test_env: dict[str, str]) -> None:
+    # 20 steps in one go, against 10 steps, a restart from ckpt_path="last", and 10 more. Writes are slowed
+    # so that ModelCheckpoint asks to delete older checkpoints while the newer one is still being written.
+    spec = {**TEXT, "strategy": {"checkpoint_mode": "async"}, "slow_writes_s": 0.3}
+    full = launch(2, {**spec, "steps": 20, "model_checkpoint": _keep_latest_two(tmp_path / "full")},
+                  tmp_path / "full_run", test_env)
+    halves = {**spec, "model_checkpoint": _keep_latest_two(tmp_path / "halves")}
+    launch(2, {**halves, "steps": 10}, tmp_path / "first", test_env)
+    resumed = launch(2, {**halves, "steps": 20, "resume_from": "last"}, tmp_path / "second", test_env)
+    for rank in range(2):
+        expected = [step for step in full[rank]["steps"] if step["step"] > 10]
+        assert [step["step"] for step in resumed[rank]["steps"]] == list(range(11, 21))
+        for before, after in zip(expected, resumed[rank]["steps"]):
+            assert after["train_loss"] == pytest.approx(before["train_loss"], rel=1e-6), (before, after)
+            assert after["grad_norm"] == pytest.approx(before["grad_norm"], rel=1e-6), (before, after)
+            assert after["rng"] == before["rng"], "Python, NumPy and torch generators continue where they were"
+    # Keep-latest-2 plus last, and every deletion came after the checkpoint that replaced it was complete.
+    assert _complete(tmp_path / "full") == ["epoch=0-step=15.ckpt", "epoch=0-step=20.ckpt", "last.ckpt"]
+    assert sorted(path.name for path in (tmp_path / "full").iterdir()) == _complete(tmp_path / "full")
+    removals = full[0]["removals"]
+    assert [r["removed"] for r in removals] == ["epoch=0-step=5.ckpt", "epoch=0-step=10.ckpt"]
+    for removal, newer in zip(removals, ["epoch=0-step=15.ckpt", "epoch=0-step=20.ckpt"]):
+        assert newer in removal["complete"], removal
+
+
+def test_a_rank_killed_during_an_async_save_leaves_the_previous_checkpoint_to_resume(
+        tmp_path: Path, test_env: dict[str, str]) -> None:
+    folder = tmp_path / "checkpoints"
+    spec = {"batch_size": 4, "strategy": {"checkpoint_mode": "async"}, "timeout_seconds": 20,
+            "model_checkpoint": {"dirpath": str(folder), "every_n_train_steps": 2, "save_top_k": -1}}
+    with pytest.raises(AssertionError, match="SIGKILL|Signals.SIGKILL|-9"):
+        # Rank 1 dies inside its shard write of the step-4 save, which runs in the background.
+        launch(2, {**spec, "steps": 6, "kill_during_save": {"rank": 1, "save": 2}}, tmp_path / "killed", test_env)
+    assert _complete(folder) == ["epoch=0-step=2.ckpt"]
+    assert not (folder / "epoch=0-step=4.ckpt").exists(), "a partial save must never carry a checkpoint name"
+    resumed = launch(2, {**spec, "steps": 4, "strategy": {"checkpoint_mode": "async", "auto_resume": True}},
+                     tmp_path / "resumed", test_env)
+    assert [step["step"] for step in resumed[0]["steps"]] == [3, 4]
+    assert _complete(folder) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> Path:
+    out = tmp_path_factory.mktemp("one_rank")
+    checkpoint = out / "step2.ckpt"
+    launch(1, {"steps": 2, "batch_size": 4, "save_at": 2, "save_path": str(checkpoint)}, out, test_env)
+    return checkpoint
+
+
+def _damage(checkpoint: Path, how: str, tmp_path: Path) -> tuple[Path, str]:
+    """A copy of ``checkpoint`` with its first shard file altered, and the error that names it."""
+    copy = tmp_path / "damaged.ckpt"
+    shutil.copytree(checkpoint, copy)
+    shard = sorted(copy.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    if how == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+        return copy, rf"{shard.name} has {len(data) // 2} bytes, {len(data)} were written"
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(data)
+    return copy, rf"{shard.name} fails its CRC-32 check"
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip_a_byte"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(saved_checkpoint: Path, how: str, tmp_path: Path) -> None:
+    damaged, message = _damage(saved_checkpoint, how, tmp_path)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        read_model_weights(damaged)
+    assert read_model_weights(saved_checkpoint)  # the original is intact
+
+
+def test_resuming_from_a_damaged_checkpoint_fails_before_loading(saved_checkpoint: Path, tmp_path: Path,
+                                                                  test_env: dict[str, str]) -> None:
+    damaged, message = _damage(saved_checkpoint, "flip_a_byte", tmp_path)
+    with pytest.raises(AssertionError, match=rf"rank0: CorruptCheckpointError: {damaged} is damaged: {message}"):
+        launch(1, {"steps": 3, "batch_size": 4, "resume_from": str(damaged)}, tmp_path / "resumed", test_env)
+
+
+def test_an_unfinished_checkpoint_is_refused(saved_checkpoint: Path, tmp_path: Path) -> None:
+    unfinished = tmp_path / "unfinished.ckpt"
+    shutil.copytree(saved_checkpoint, unfinished)
+    (unfinished / "titan_checkpoint.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no titan_checkpoint.json: a save that never finished has none"):
+        read_model_weights(unfinished)
+
+
+def test_resume_with_more_data_parallel_ranks_fails_clearly_on_every_rank(tmp_path: Path,
+                                                                           test_env: dict[str, str]) -> None:
+    # Positions were saved for 2 data-parallel ranks; ranks 2 and 3 have none. All 4 must stop with
+    # the same error (none may wait in a collective for the others).
+    spec = {"steps": 2, "batch_size": 2, "data": "text"}
+    checkpoint = tmp_path / "dp2.ckpt"
+    launch(2, {**spec, "save_at": 2, "save_path": str(checkpoint)}, tmp_path / "dp2", test_env)
+    with pytest.raises(AssertionError) as failure:
+        launch(4, {**spec, "steps": 3, "resume_from": str(checkpoint)}, tmp_path / "dp4", test_env)
+    for rank in (2, 3):  # the ranks that hold no saved position raise too, instead of hanging
+        assert f"\nrank{rank}: ValueError: {checkpoint} holds dataloader positions for 2 data-parallel ranks, " \
+               "but this run has 4" in str(failure.value)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"checkpoint_mode": "eventually"}, r"checkpoint_mode='eventually' must be one of \['sync', 'async', "
+                                        r"'async_pinned'\]"),
+    ({"checkpoint_mode": "async_pinned"}, r"checkpoint_mode='async_pinned' stages into pinned memory from CUDA, "
+                                          r"not from 'cpu'; use checkpoint_mode='async'"),
+])
+def test_bad_checkpoint_mode_fails_before_launching(kwargs: dict, message: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=message):
+        L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(**kwargs), default_root_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_another_checkpoint_io_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="through DistributedCheckpointIO, not TorchCheckpointIO; remove that plugin"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(), plugins=[TorchCheckpointIO()],
+                  default_root_dir=tmp_path)
+
+
+def test_the_rng_states_round_trip() -> None:
+    blob = capture_rng_states(torch.device("cpu"))
+    first = (torch.rand(3), random.random(), np.random.rand())
+    restore_rng_states(blob, torch.device("cpu"))
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
