@@ -43,6 +43,7 @@ from titan_strategy.checkpoint.weights import read_hyper_parameters, read_model_
 __all__ = ["CHECKPOINT_MODES", "DistributedCheckpointIO", "SaveTiming", "partial_path"]
 
 CHECKPOINT_MODES = ("sync", "async", "async_pinned")
+_WRITER_THREADS = 4  # files written (and checksummed) in parallel per rank: one thread leaves disks idle
 
 
 @dataclass
@@ -93,7 +94,6 @@ class DistributedCheckpointIO(CheckpointIO):
         self._place = RankPlace(0, 1, 0, 1)
         self._device = torch.device("cpu")
         self._finisher: ThreadPoolExecutor | None = None
-        self._stager: DefaultStager | None = None
         self._pending: Future | None = None
         self._staging: Future | None = None
         self._removals: list[Path] = []
@@ -126,7 +126,7 @@ class DistributedCheckpointIO(CheckpointIO):
         dist.barrier(group=self._group)
         state = split_checkpoint(checkpoint, self._place, capture_rng_states(self._device))
         lightning_state = to_bytes(checkpoint) if self._place.rank == 0 else None
-        writer = dcp.FileSystemWriter(partial)
+        writer = dcp.FileSystemWriter(partial, thread_count=_WRITER_THREADS)
         timing = SaveTiming(str(final), blocking_s=0.0)
         self.timings.append(timing)
         if self.mode == "sync":
@@ -136,25 +136,32 @@ class DistributedCheckpointIO(CheckpointIO):
             return
         if self._finisher is None:
             self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-checkpoint")
-        response = dcp.async_save(state, storage_writer=writer, process_group=self._group, **self._async_options())
+        options = self._async_options()
+        response = dcp.async_save(state, storage_writer=writer, process_group=self._group, **options)
         upload = getattr(response, "upload_completion", response)
         self._staging = getattr(response, "staging_completion", None)
-        self._pending = self._finisher.submit(self._finish, upload, partial, final, lightning_state, timing, started)
+        self._pending = self._finisher.submit(self._finish, upload, partial, final, lightning_state, timing, started,
+                                              options.get("async_stager"))
         timing.blocking_s = time.perf_counter() - started
 
     def _async_options(self) -> dict[str, Any]:
-        if self.mode == "async":
+        if self.mode == "async":  # DCP's default staging: a blocking copy into host memory
             return {"async_checkpointer_type": AsyncCheckpointerType.THREAD}
-        if self._stager is None:  # kept across saves: its pinned buffers are allocated once
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True,
-                                                        use_async_staging=True, use_non_blocking_copy=True))
-        return {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "async_stager": self._stager}
+        # One stager per save: torch 2.11 clears a stager's copy tables once its save is done, so a reused
+        # one fails on the next save.
+        stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True,
+                                              use_async_staging=True, use_non_blocking_copy=True))
+        return {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "async_stager": stager}
 
     def _finish(self, upload: Future | None, partial: Path, final: Path, lightning_state: bytes | None,
-                timing: SaveTiming, started: float) -> None:
+                timing: SaveTiming, started: float, stager: DefaultStager | None = None) -> None:
         """After this rank's shards are written: list them for rank 0, which marks and publishes."""
         if upload is not None:
-            upload.result()
+            try:
+                upload.result()
+            finally:
+                if stager is not None:
+                    stager.close()
         rank = self._place.rank
         names = sorted(file.name for file in partial.glob(f"__{rank}_*.distcp"))
         if rank == 0:
@@ -223,9 +230,6 @@ class DistributedCheckpointIO(CheckpointIO):
         try:
             self.flush()
         finally:
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
             if self._finisher is not None:
                 self._finisher.shutdown(wait=True)
                 self._finisher = None

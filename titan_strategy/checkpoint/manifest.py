@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
@@ -38,8 +39,10 @@ def _crc32(file: Path) -> int:
     return checksum
 
 
-def file_checksums(directory: Path, names: list[str]) -> FileRecords:
-    return {name: [(directory / name).stat().st_size, _crc32(directory / name)] for name in names}
+def file_checksums(directory: Path, names: list[str], threads: int = 4) -> FileRecords:
+    with ThreadPoolExecutor(threads) as pool:  # zlib releases the GIL
+        checksums = list(pool.map(_crc32, [directory / name for name in names]))
+    return {name: [(directory / name).stat().st_size, checksum] for name, checksum in zip(names, checksums)}
 
 
 def write_manifest(directory: Path, files: FileRecords, *, world_size: int) -> None:
@@ -52,15 +55,14 @@ def write_manifest(directory: Path, files: FileRecords, *, world_size: int) -> N
     os.replace(temporary, directory / MANIFEST_FILE)
 
 
-def _file_errors(directory: Path, expected: FileRecords) -> list[str]:
+def _file_errors(expected: FileRecords, actual: FileRecords) -> list[str]:
     errors = []
     for name, (size, checksum) in expected.items():
-        file = directory / name
-        if not file.is_file():
+        if name not in actual:
             errors.append(f"{name} is missing")
-        elif file.stat().st_size != size:
-            errors.append(f"{name} has {file.stat().st_size} bytes, {size} were written")
-        elif _crc32(file) != checksum:
+        elif actual[name][0] != size:
+            errors.append(f"{name} has {actual[name][0]} bytes, {size} were written")
+        elif actual[name][1] != checksum:
             errors.append(f"{name} fails its CRC-32 check")
     return errors
 
@@ -73,7 +75,9 @@ def verify_files(directory: Path, group: dist.ProcessGroup | None = None) -> Non
     """
     files: FileRecords = json.loads((directory / MANIFEST_FILE).read_text())["files"]
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    errors = _file_errors(directory, {name: files[name] for name in sorted(files)[rank::world]})
+    mine = {name: files[name] for name in sorted(files)[rank::world]}
+    actual = file_checksums(directory, [name for name in mine if (directory / name).is_file()])
+    errors = _file_errors(mine, actual)
     if group is not None:
         every_rank: list[list[str]] = [[] for _ in range(world)]
         dist.all_gather_object(every_rank, errors, group=group)
