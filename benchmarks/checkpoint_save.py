@@ -54,8 +54,8 @@ def main() -> None:
     parser.add_argument("--flavor", default="1B")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--save-at", type=int, nargs="+", default=[8, 16])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--save-at", type=int, nargs="+", default=[8, 96])
+    parser.add_argument("--steps", type=int, default=104)
     args = parser.parse_args()
 
     config = get_flavor(args.flavor)

@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from titan_strategy.checkpoint import (
-    CHECKPOINT_MODES,
     DistributedCheckpointIO,
     RankPlace,
     check_weights_source,
@@ -57,7 +56,7 @@ from titan_strategy.precision import TitanPrecision, to_titan_precision
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["TitanStrategy", "CHECKPOINT_MODES", "PIPELINE_SCHEDULES"]
+__all__ = ["TitanStrategy", "PIPELINE_SCHEDULES"]
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +131,7 @@ class TitanStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: DistributedCheckpointIO | None = None,
     ) -> None:
-        if checkpoint_io is not None and checkpoint_mode != checkpoint_io.mode:
+        if checkpoint_io is not None and checkpoint_mode != _checked_checkpoint_io(checkpoint_io).mode:
             raise ValueError(f"checkpoint_mode={checkpoint_mode!r} contradicts checkpoint_io (mode "
                              f"{checkpoint_io.mode!r}); pass one of them.")
         # Left unset in Strategy until first read, so that a checkpoint-IO plugin of the Trainer reaches the
@@ -574,10 +573,7 @@ class TitanStrategy(ParallelStrategy):
     @checkpoint_io.setter
     @override
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        if not isinstance(io, DistributedCheckpointIO):
-            raise ValueError(f"TitanStrategy writes sharded checkpoints through DistributedCheckpointIO, not "
-                             f"{type(io).__name__}; remove that plugin and choose TitanStrategy(checkpoint_mode=...).")
-        self._checkpoint_io = io
+        self._checkpoint_io = _checked_checkpoint_io(io)
 
     def _rank_place(self) -> RankPlace:
         batch = self.device_mesh["batch"]
@@ -625,6 +621,13 @@ class TitanStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="4-D parallelism (FSDP2/HSDP, TP, CP, PP)")
+
+
+def _checked_checkpoint_io(io: CheckpointIO | None) -> DistributedCheckpointIO:
+    if not isinstance(io, DistributedCheckpointIO):
+        raise ValueError(f"TitanStrategy writes sharded checkpoints through DistributedCheckpointIO, not "
+                         f"{type(io).__name__}; remove that plugin and choose TitanStrategy(checkpoint_mode=...).")
+    return io
 
 
 @contextmanager

@@ -4,9 +4,14 @@
 
 * ``sync``: ``dcp.save`` in the training loop; it blocks for the whole write.
 * ``async``: the state is copied to host memory in the loop, then written by a background thread.
-* ``async_pinned`` (CUDA): the copy goes to reused pinned, shared host memory on a side stream,
-  and a background process writes it. The loop blocks only until the copy has finished, and waits
-  for that just before the optimizer next changes the parameters (``wait_for_staging``).
+* ``async_pinned`` (CUDA): the copy goes to pinned, shared host memory on a side stream while the
+  loop goes on, and DCP's background process writes it (no GIL shared with the loop). The loop
+  waits for the copy only just before the optimizer next changes the parameters
+  (``wait_for_staging``).
+
+Both async modes copy into one host buffer allocated at the first save and reused after. Allocating
+it is slow (the first async_pinned save of the 1B benchmark held training for about a minute), but
+it happens once per run, not at every save.
 
 Every mode writes into ``NAME.partial``. Once all ranks are done, rank 0 adds the manifest (the
 completion marker) and renames the directory to ``NAME``, so a checkpoint name always means a
@@ -31,7 +36,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from typing_extensions import override
 
@@ -53,6 +59,32 @@ class SaveTiming:
     path: str
     blocking_s: float
     total_s: float | None = None
+
+
+class _AlreadyStaged(AsyncStager):
+    """Tells ``dcp.async_save`` that the state dict is in host memory already (our reused buffer)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _tensor_layout(obj: Any, prefix: str = "") -> list[tuple]:
+    """Every entry's path, with shape and dtype for tensors: the host buffer fits a state dict of the same layout."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, tuple(obj.shape), obj.dtype)]
+    if isinstance(obj, dict):
+        return [entry for key in sorted(obj, key=str) for entry in _tensor_layout(obj[key], f"{prefix}.{key}")]
+    if isinstance(obj, (list, tuple)):
+        return [entry for index, value in enumerate(obj) for entry in _tensor_layout(value, f"{prefix}.{index}")]
+    return [(prefix,)]
 
 
 def partial_path(path: Path) -> Path:
@@ -94,6 +126,10 @@ class DistributedCheckpointIO(CheckpointIO):
         self._place = RankPlace(0, 1, 0, 1)
         self._device = torch.device("cpu")
         self._finisher: ThreadPoolExecutor | None = None
+        self._stager_thread: ThreadPoolExecutor | None = None
+        self._host_copy: dict[str, Any] | None = None
+        self._host_layout: list[tuple] = []
+        self._copy_stream: torch.cuda.Stream | None = None
         self._pending: Future | None = None
         self._staging: Future | None = None
         self._removals: list[Path] = []
@@ -131,37 +167,59 @@ class DistributedCheckpointIO(CheckpointIO):
         self.timings.append(timing)
         if self.mode == "sync":
             dcp.save(state, storage_writer=writer, process_group=self._group)
-            self._finish(None, partial, final, lightning_state, timing, started)
+            self._finish(partial, final, lightning_state, timing, started)
             timing.blocking_s = time.perf_counter() - started
             return
         if self._finisher is None:
             self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-checkpoint")
-        options = self._async_options()
-        response = dcp.async_save(state, storage_writer=writer, process_group=self._group, **options)
-        upload = getattr(response, "upload_completion", response)
-        self._staging = getattr(response, "staging_completion", None)
-        self._pending = self._finisher.submit(self._finish, upload, partial, final, lightning_state, timing, started,
-                                              options.get("async_stager"))
+        if self.mode == "async_pinned":
+            staged = self._stage_on_side_stream(state)
+            self._staging = staged
+        else:
+            staged = Future()
+            staged.set_result(self._stage(state, non_blocking=False))
+        self._pending = self._finisher.submit(self._upload_and_finish, staged, writer, partial, final, lightning_state,
+                                              timing, started)
         timing.blocking_s = time.perf_counter() - started
 
-    def _async_options(self) -> dict[str, Any]:
-        if self.mode == "async":  # DCP's default staging: a blocking copy into host memory
-            return {"async_checkpointer_type": AsyncCheckpointerType.THREAD}
-        # One stager per save: torch 2.11 clears a stager's copy tables once its save is done, so a reused
-        # one fails on the next save.
-        stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=True,
-                                              use_async_staging=True, use_non_blocking_copy=True))
-        return {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "async_stager": stager}
+    def _stage(self, state: dict[str, Any], non_blocking: bool) -> dict[str, Any]:
+        """Copy ``state``'s tensors into the reused host buffer; non-tensor values (lr, RNG blobs) are taken as they are."""
+        layout = _tensor_layout(state)
+        if self._host_copy is None or layout != self._host_layout:  # first save, or e.g. another optimizer
+            pinned = self.mode == "async_pinned"  # shared too: the writer process reads it without a copy
+            self._host_copy = _create_cpu_state_dict(state, pin_memory=pinned, share_memory=pinned)
+            self._host_layout = layout
+        return _copy_state_dict(state, self._host_copy, non_blocking=non_blocking)
 
-    def _finish(self, upload: Future | None, partial: Path, final: Path, lightning_state: bytes | None,
-                timing: SaveTiming, started: float, stager: DefaultStager | None = None) -> None:
+    def _stage_on_side_stream(self, state: dict[str, Any]) -> Future:
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self._device)
+            self._stager_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-staging")
+        assert self._stager_thread is not None
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self._device))  # the parameters' last updates come first
+
+        def copy() -> dict[str, Any]:
+            with torch.cuda.stream(stream):
+                staged = self._stage(state, non_blocking=True)
+            stream.synchronize()
+            return staged
+
+        return self._stager_thread.submit(copy)
+
+    def _upload_and_finish(self, staged: Future, writer: dcp.FileSystemWriter, partial: Path, final: Path,
+                           lightning_state: bytes | None, timing: SaveTiming, started: float) -> None:
+        host_state = staged.result()
+        if self.mode == "async":
+            dcp.save(host_state, storage_writer=writer, process_group=self._group)
+        else:
+            dcp.async_save(host_state, storage_writer=writer, process_group=self._group, async_stager=_AlreadyStaged(),
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+        self._finish(partial, final, lightning_state, timing, started)
+
+    def _finish(self, partial: Path, final: Path, lightning_state: bytes | None, timing: SaveTiming,
+                started: float) -> None:
         """After this rank's shards are written: list them for rank 0, which marks and publishes."""
-        if upload is not None:
-            try:
-                upload.result()
-            finally:
-                if stager is not None:
-                    stager.close()
         rank = self._place.rank
         names = sorted(file.name for file in partial.glob(f"__{rank}_*.distcp"))
         if rank == 0:
@@ -230,9 +288,11 @@ class DistributedCheckpointIO(CheckpointIO):
         try:
             self.flush()
         finally:
-            if self._finisher is not None:
-                self._finisher.shutdown(wait=True)
-                self._finisher = None
+            for pool in (self._finisher, self._stager_thread):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._finisher = self._stager_thread = self._copy_stream = None
+            self._host_copy = None
 
     def flush_after_exception(self) -> None:
         """Finish a pending save while an exception unwinds the run; report a failure instead of raising."""
