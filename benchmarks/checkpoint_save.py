@@ -77,7 +77,8 @@ def main() -> None:
              for step, t in zip(args.save_at, strategy.checkpoint_io.timings)]
     print(json.dumps({
         "mode": args.mode, "flavor": args.flavor, "checkpoint_gib": round(size_gib, 2), "saves": saves,
-        "median_step_s": round(median, 4), "step_after_save_s": [round(saver.step_s[step], 4) for step in sorted(after_save)],
+        "median_step_s": round(median, 4),
+        "step_after_save_s": [round(saver.step_s[step], 4) for step in sorted(after_save)],
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "lightning": L.__version__,
     }))
     shutil.rmtree(checkpoint)

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 from tests.conftest import launch
-from titan_strategy import CorruptCheckpointError, TitanStrategy
+from titan_strategy import CorruptCheckpointError, DistributedCheckpointIO, TitanStrategy
 from titan_strategy.checkpoint import read_model_weights
 from titan_strategy.checkpoint.rng import capture_rng_states, restore_rng_states
 
@@ -107,6 +107,12 @@ def test_resuming_from_a_damaged_checkpoint_fails_before_loading(saved_checkpoin
     damaged, message = _damage(saved_checkpoint, "flip_a_byte", tmp_path)
     with pytest.raises(AssertionError, match=rf"rank0: CorruptCheckpointError: {damaged} is damaged: {message}"):
         launch(1, {"steps": 3, "batch_size": 4, "resume_from": str(damaged)}, tmp_path / "resumed", test_env)
+
+
+def test_the_checkpoint_io_reads_a_checkpoint_whole_in_one_process(saved_checkpoint: Path) -> None:
+    loaded = DistributedCheckpointIO().load_checkpoint(saved_checkpoint)
+    assert loaded["hyper_parameters"]["model"]["dim"] == 64
+    assert loaded["state_dict"]["model.tok_embeddings.weight"].shape == (256, 64)
 
 
 def test_an_unfinished_checkpoint_is_refused(saved_checkpoint: Path, tmp_path: Path) -> None:

@@ -101,8 +101,9 @@ class RemovalLog:
 
         def logged(path: Path) -> None:
             if path.suffix == ".ckpt":
-                self.removals.append({"removed": path.name, "complete": sorted(
-                    p.name for p in path.parent.glob("*.ckpt") if p != path and (p / "titan_checkpoint.json").is_file())})
+                complete = [p.name for p in path.parent.glob("*.ckpt")
+                            if p != path and (p / "titan_checkpoint.json").is_file()]
+                self.removals.append({"removed": path.name, "complete": sorted(complete)})
             remove(path)
 
         checkpoint_io._remove = logged

@@ -307,7 +307,8 @@ class TitanStrategy(ParallelStrategy):
                    if isinstance(callback, ModelCheckpoint) and callback.dirpath]
         newest = self.broadcast(newest_complete_checkpoint(folders) if self.is_global_zero else None)
         if newest is None:
-            rank_zero_info(f"auto_resume: no complete checkpoint in {[str(f) for f in folders]}; training from the start.")
+            rank_zero_info(f"auto_resume: no complete checkpoint in {[str(f) for f in folders]}; "
+                           "training from the start.")
             return
         # Lightning chose ckpt_path before the strategy could see the trainer; loading here, before Lightning
         # restores modules, callbacks and loops from the loaded dict, is the same as fit(ckpt_path=newest).

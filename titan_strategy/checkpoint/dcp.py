@@ -72,7 +72,8 @@ def is_titan_checkpoint(path: Path) -> bool:
 
 def newest_complete_checkpoint(folders: list[Path]) -> str | None:
     """The complete checkpoint in ``folders`` whose marker was written last (partial saves carry no ``.ckpt`` name)."""
-    complete = [path for folder in folders if folder.is_dir() for path in folder.glob("*.ckpt") if is_titan_checkpoint(path)]
+    complete = [path for folder in folders if folder.is_dir() for path in folder.glob("*.ckpt")
+                if is_titan_checkpoint(path)]
     if not complete:
         return None
     return str(max(complete, key=lambda path: ((path / MANIFEST_FILE).stat().st_mtime_ns, path.name)))

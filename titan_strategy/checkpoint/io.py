@@ -183,7 +183,7 @@ class DistributedCheckpointIO(CheckpointIO):
         timing.blocking_s = time.perf_counter() - started
 
     def _stage(self, state: dict[str, Any], non_blocking: bool) -> dict[str, Any]:
-        """Copy ``state``'s tensors into the reused host buffer; non-tensor values (lr, RNG blobs) are taken as they are."""
+        """Copy ``state``'s tensors into the reused host buffer; non-tensor values (lr, RNG blobs) go as they are."""
         layout = _tensor_layout(state)
         if self._host_copy is None or layout != self._host_layout:  # first save, or e.g. another optimizer
             pinned = self.mode == "async_pinned"  # shared too: the writer process reads it without a copy
