@@ -156,8 +156,8 @@ def test_another_checkpoint_io_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_rng_states_round_trip() -> None:
-    blob = capture_rng_states(torch.device("cpu"))
+    states = capture_rng_states(torch.device("cpu"))
     first = (torch.rand(3), random.random(), np.random.rand())
-    restore_rng_states(blob, torch.device("cpu"))
+    restore_rng_states(states, torch.device("cpu"))
     again = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(first[0], again[0]) and first[1:] == again[1:]

@@ -167,7 +167,7 @@ class TitanStrategy(ParallelStrategy):
         self.auto_resume = auto_resume
         self._checkpoint_group: dist.ProcessGroup | None = None
         self._fitting = False
-        self._rng_states_for_next_batch: bytes | None = None
+        self._rng_states_for_next_batch: dict[str, Any] | None = None
         self._dims: ParallelDims | None = None
         self._mesh: TitanMesh | None = None
         self.num_nodes = 1

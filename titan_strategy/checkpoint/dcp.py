@@ -55,7 +55,7 @@ class RankPlace:
 @dataclass
 class LoadedCheckpoint:
     lightning: dict[str, Any]
-    rng_states: bytes | None  # None when the checkpoint came from another number of ranks
+    rng_states: dict[str, Any] | None  # None when the checkpoint came from another number of ranks
     # Whether the RNG states belong before the next epoch's dataloader is created (saved at an epoch's
     # last batch) or at the next training batch (saved mid-epoch, where no new iterator draws a seed).
     rng_before_next_epoch: bool
@@ -93,7 +93,11 @@ def to_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def split_checkpoint(checkpoint: dict[str, Any], place: RankPlace, rng_states: bytes) -> dict[str, Any]:
+def _from_bytes(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+def split_checkpoint(checkpoint: dict[str, Any], place: RankPlace, rng_states: dict[str, Any]) -> dict[str, Any]:
     """Move the sharded and per-rank entries of Lightning's checkpoint dict into a DCP state dict.
 
     ``checkpoint`` keeps the rest, plus the layout it was saved under. The dataloader position is
@@ -101,7 +105,8 @@ def split_checkpoint(checkpoint: dict[str, Any], place: RankPlace, rng_states: b
     the RNG states are opaque blobs, so DCP needs no knowledge of their structure and they load
     back with ``weights_only=True``.
     """
-    state: dict[str, Any] = {"model": checkpoint.pop("state_dict"), f"{_RNG_PREFIX}{place.rank}": rng_states}
+    state: dict[str, Any] = {"model": checkpoint.pop("state_dict"),
+                             f"{_RNG_PREFIX}{place.rank}": to_bytes(rng_states)}
     for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{index}"] = optimizer_state
     fit_loop = _fit_loop_state(checkpoint)
@@ -151,17 +156,17 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: list[Optimizer], 
             )
         state[_dataloader_key(place.batch_rank)] = b""
     same_ranks = layout["world_size"] == place.world_size
+    rng_key = f"{_RNG_PREFIX}{place.rank}"
     if same_ranks:
-        state[f"{_RNG_PREFIX}{place.rank}"] = b""
+        state[rng_key] = b""
     dcp.load(state, checkpoint_id=path, process_group=group)
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"], options=_OPTIMIZER_OPTIONS)
     if restore_loader:
-        loop_state["combined_loader"] = torch.load(io.BytesIO(state[_dataloader_key(place.batch_rank)]),
-                                                   weights_only=True)
+        loop_state["combined_loader"] = _from_bytes(state[_dataloader_key(place.batch_rank)])
     if not same_ranks and place.rank == 0:
         warnings.warn(f"{path} was saved by {layout['world_size']} ranks and this run has {place.world_size}: "
                       "random-number streams start from the seed instead of where they were.", stacklevel=2)
-    return LoadedCheckpoint(checkpoint, state.get(f"{_RNG_PREFIX}{place.rank}") if same_ranks else None,
+    return LoadedCheckpoint(checkpoint, _from_bytes(state[rng_key]) if same_ranks else None,
                             layout["saved_at_last_batch"])

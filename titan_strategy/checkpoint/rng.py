@@ -1,12 +1,11 @@
-"""Each rank's random-number generator states (Python, NumPy, torch CPU and CUDA) as one blob.
+"""Each rank's random-number generator states (Python, NumPy, torch CPU and CUDA).
 
 Ranks draw different numbers (dropout differs per tensor-parallel rank), so every rank saves its
-own. The blob holds only tensors, ints and tuples, so it loads with ``weights_only=True``.
+own. The states hold only tensors, ints and tuples, so they load with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
-import io
 import random
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 __all__ = ["capture_rng_states", "restore_rng_states"]
 
 
-def capture_rng_states(device: torch.device) -> bytes:
+def capture_rng_states(device: torch.device) -> dict[str, Any]:
     kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     states: dict[str, Any] = {
         "python": random.getstate(),
@@ -25,13 +24,10 @@ def capture_rng_states(device: torch.device) -> bytes:
     }
     if device.type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(device)
-    buffer = io.BytesIO()
-    torch.save(states, buffer)
-    return buffer.getvalue()
+    return states
 
 
-def restore_rng_states(blob: bytes, device: torch.device) -> None:
-    states = torch.load(io.BytesIO(blob), weights_only=True)
+def restore_rng_states(states: dict[str, Any], device: torch.device) -> None:
     random.setstate(states["python"])
     kind, keys, position, has_gauss, cached_gaussian = states["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
