@@ -38,22 +38,33 @@ def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathF
     monkeypatch.setenv("HF_HOME", str(tmp_path_factory.getbasetemp() / "hf_home_inproc"))
 
 
-def run_command(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+_TELLING = ("Error", "error:", "terminate called", "what():", "Abort", "Fatal", "Signal ", "exitcode")
+
+
+def run_command(command: list[str], env: dict[str, str], cwd: Path,
+                timeout_s: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
-                             f"{result.stderr[-20000:]}")
+        # The whole output goes to a file; the message starts with the lines that usually say what went
+        # wrong (a C++ abort's "what():" sits among thousands of warning lines), then the tails.
+        (cwd / "launch.log").write_text(result.stdout + "\n" + result.stderr)
+        telling = [line for line in (result.stdout + result.stderr).splitlines()
+                   if any(word in line for word in _TELLING)][-40:]
+        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}); the lines that tell:\n"
+                             + "\n".join(telling) + f"\n--- stdout tail:\n{result.stdout[-3000:]}\n"
+                             f"--- stderr tail:\n{result.stderr[-8000:]}")
     return result
 
 
-def launch(nproc: int, spec: dict[str, Any], out_dir: Path, env: dict[str, str]) -> list[dict[str, Any]]:
+def launch(nproc: int, spec: dict[str, Any], out_dir: Path, env: dict[str, str],
+           timeout_s: float = LAUNCH_TIMEOUT_S) -> list[dict[str, Any]]:
     """Run tests/train_worker.py under torchrun with ``nproc`` processes; return each rank's record."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_file = out_dir / "spec.json"
     spec_file.write_text(json.dumps({"devices": nproc, **spec}))
     try:
         run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                     str(WORKER), str(spec_file), str(out_dir)], env, out_dir)
+                     str(WORKER), str(spec_file), str(out_dir)], env, out_dir, timeout_s)
     except AssertionError as failure:
         # Each failed rank's error (the worker writes them), one line each: "rank1: ValueError: ...".
         errors = "".join(f"\n{path.stem}: {path.read_text()}" for path in sorted(out_dir.glob("rank*.error")))

@@ -36,6 +36,7 @@ def test_debug_config_trains_validates_and_checkpoints(overrides: list[str], tmp
     checkpoints = sorted((run_dir / "checkpoints").iterdir())
     assert checkpoints and all((c / "lightning_state.pt").is_file() for c in checkpoints)
     assert "last.ckpt" in {c.name for c in checkpoints}
+    assert not (tmp_path / "flight_recorder").exists()  # the config's FlightRecorder watched a clean run
 
 
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)

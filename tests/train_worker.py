@@ -21,14 +21,16 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.distributed_c10d as c10d
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
 import titan_strategy.checkpoint.io as checkpoint_io
 from llama_module import LlamaConfig, LlamaModule, TextDataModule
-from titan_strategy import TitanStrategy
+from titan_strategy import FlightRecorder, TitanStrategy
 
 # 8 query and 4 kv heads: grouped-query attention that still splits 4 ways under tensor parallelism.
 TINY = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=128, max_seq_len=64)
@@ -125,6 +127,44 @@ def _interfere_with_writes(slow_s: float, kill: dict[str, int] | None) -> None:
     dcp.FileSystemWriter.write_data = interfered
 
 
+class Sabotage(Callback):
+    """Hang drills: at training step ``step`` rank ``rank`` skips its next ``torch.distributed.<skip>`` call
+    (and writes which group it skipped to OUT_DIR/skipped.json), or sleeps ``stall_s`` after the forward of
+    its first pipeline stage (before that stage sends its activations), or of the whole model, or sends
+    itself ``signal`` and writes torch's own pickled trace to OUT_DIR/native/nccl_trace_rank_N."""
+
+    def __init__(self, drill: dict[str, Any], out_dir: Path) -> None:
+        self.drill = drill
+        self.out_dir = out_dir
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_rank != self.drill["rank"] or trainer.global_step + 1 != self.drill["step"]:
+            return
+        if "skip" in self.drill:
+            self._skip_next(self.drill["skip"])
+        elif "signal" in self.drill:
+            os.kill(os.getpid(), signal.Signals[self.drill["signal"]])
+            native = self.out_dir / "native"
+            native.mkdir(exist_ok=True)
+            (native / f"nccl_trace_rank_{trainer.global_rank}").write_bytes(torch._C._distributed_c10d._dump_fr_trace())
+        else:
+            pipeline = getattr(trainer.strategy, "_pipeline", None)
+            module = pipeline.stage_modules[0] if pipeline is not None else pl_module
+            module.register_forward_hook(lambda *_: time.sleep(self.drill["stall_s"]))
+
+    def _skip_next(self, op: str) -> None:
+        original = getattr(dist, op)
+
+        def skipped(*args: Any, group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
+            setattr(dist, op, original)
+            group = group or c10d._get_default_group()
+            (self.out_dir / "skipped.json").write_text(json.dumps(
+                {"op": op, "group": c10d._world.pg_names[group], "ranks": dist.get_process_group_ranks(group)}))
+
+        setattr(dist, op, skipped)
+
+
 COUNTED_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
                  "on_before_zero_grad", "on_before_optimizer_step", "on_validation_batch_end", "on_validation_end")
 
@@ -187,6 +227,10 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     callbacks = [recorder, *(_lightning_callbacks(out_dir) if spec.get("lightning_callbacks") else [])]
     if "model_checkpoint" in spec:  # ModelCheckpoint's arguments, dirpath included
         callbacks.append(ModelCheckpoint(**spec["model_checkpoint"]))
+    if "flight_recorder" in spec:  # FlightRecorder's arguments; dumps go to OUT_DIR/flight_recorder
+        callbacks.append(FlightRecorder(**spec["flight_recorder"]))
+    if "drill" in spec:
+        callbacks.append(Sabotage(spec["drill"], out_dir))
     removal_log = RemovalLog()
     if spec.get("slow_writes_s") or spec.get("kill_during_save"):
         _interfere_with_writes(spec.get("slow_writes_s", 0.0), spec.get("kill_during_save"))
@@ -220,7 +264,7 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
               "hook_calls": recorder.hook_calls, "training_mode_after_validation": recorder.training_mode_after_validation,
               "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step,
               "batch_rank": trainer.strategy.distributed_sampler_kwargs["rank"] if trainer.world_size > 1 else 0,
-              "removals": removal_log.removals}
+              "removals": removal_log.removals, "callbacks": [type(c).__name__ for c in trainer.callbacks]}
     if spec.get("lightning_callbacks"):
         checkpoint = trainer.checkpoint_callback
         result |= {"best_model_score": float(checkpoint.best_model_score),
@@ -228,6 +272,10 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     if spec.get("evaluate"):
         result |= _evaluate(trainer, model, spec)
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    # Leave together: a rank that tears its connections down while another still talks makes that one abort.
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _report_failure(error: Exception, out_dir: Path, wait_s: float = 20.0) -> None:

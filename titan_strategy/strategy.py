@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -31,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from titan_strategy.callbacks.flight_recorder import RUN_ID_ENV, UNSHORTENED_GROUP_DESC, attach_flight_recorder
 from titan_strategy.checkpoint import (
     DistributedCheckpointIO,
     RankPlace,
@@ -100,6 +103,9 @@ class TitanStrategy(ParallelStrategy):
             memory on a side stream while training goes on, written by a background process).
         auto_resume: ``fit`` without a ``ckpt_path`` resumes from the newest complete checkpoint that a
             ``ModelCheckpoint`` of the trainer wrote, if there is one (a restarted job picks up where it left off).
+        flight_recorder: add a ``FlightRecorder`` callback with its defaults (collective traces on a hang or a
+            crash, for ``titan-fr analyze``), unless the trainer has one already; pass the callback itself to
+            change its settings.
     """
 
     strategy_name = "titan"
@@ -128,6 +134,7 @@ class TitanStrategy(ParallelStrategy):
         initial_weights: str | None = None,
         checkpoint_mode: Literal["sync", "async", "async_pinned"] = "sync",
         auto_resume: bool = False,
+        flight_recorder: bool = False,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: DistributedCheckpointIO | None = None,
     ) -> None:
@@ -165,6 +172,7 @@ class TitanStrategy(ParallelStrategy):
         if self.initial_weights is not None:
             check_weights_source(self.initial_weights)
         self.auto_resume = auto_resume
+        self.flight_recorder = flight_recorder
         self._checkpoint_group: dist.ProcessGroup | None = None
         self._fitting = False
         self._rng_states_for_next_batch: dict[str, Any] | None = None
@@ -228,6 +236,8 @@ class TitanStrategy(ParallelStrategy):
                              f"{self.root_device.type!r}; set async_tensor_parallel=False.")
         self.checkpoint_io.check_device(self.root_device)
         if not self.cluster_environment.creates_processes_externally:
+            # The processes it starts inherit this, so their Flight Recorder dumps share one run folder.
+            os.environ.setdefault(RUN_ID_ENV, time.strftime("%Y%m%d-%H%M%S"))
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
@@ -235,6 +245,10 @@ class TitanStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        assert self.lightning_module is not None
+        recorder = attach_flight_recorder(self.lightning_module.trainer, self.flight_recorder)
+        if recorder is not None:  # FR reads its settings when the first process group is created
+            recorder.configure(self.lightning_module.trainer)
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
@@ -242,9 +256,9 @@ class TitanStrategy(ParallelStrategy):
             self._mesh = build_mesh(self.parallel_dims, self.root_device.type)
             # Checkpoints coordinate over a gloo group of their own, so background saves never interleave with
             # the training loop's collectives.
-            self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=self._timeout,
+                                                    group_desc=UNSHORTENED_GROUP_DESC)
         self.checkpoint_io.setup(self._checkpoint_group, self._rank_place(), self.root_device)
-        assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._mesh
 
     def set_world_ranks(self) -> None:
