@@ -10,6 +10,7 @@ import os
 import pickle
 import signal
 import threading
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -144,8 +145,8 @@ def test_the_watchdog_dumps_on_an_overrun_and_on_its_signal() -> None:
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
 
 
-def _nccl_entry(seq: int, name: str, state: str, created: int, sizes: list) -> dict[str, Any]:
-    return {"process_group": ["0", "default_pg"], "collective_seq_id": seq, "p2p_seq_id": 0, "is_p2p": False,
+def _nccl_entry(seq: int, name: str, state: str, created: int, sizes: list, group: str = "0") -> dict[str, Any]:
+    return {"process_group": [group, "default_pg"], "collective_seq_id": seq, "p2p_seq_id": 0, "is_p2p": False,
             "profiling_name": f"nccl:{name}", "state": state, "time_created_ns": created, "input_sizes": sizes,
             "input_dtypes": ["Float"], "frames": [{"name": "train_step", "filename": "train.py", "line": 42}]}
 
@@ -180,6 +181,29 @@ def test_a_skipper_is_told_from_the_rank_it_skipped_with_by_the_step_pattern() -
     [cause] = diagnose(dumps).problems
     assert (cause.seq, cause.missing, cause.expected.name) == (6, [0], "all_reduce")
     assert cause.issued_instead[0].name == "_allgather_base"
+
+
+def test_the_cause_is_the_skip_even_when_another_wait_began_first() -> None:
+    # Each step: all-gather on group a, all-reduce on b, reduce-scatter on a. In step 6 rank 1 skips the
+    # all-reduce and waits in the reduce-scatter, which it (on a loaded machine) issued before rank 0
+    # issued the all-reduce. Rank 1 broke its own pattern, so group b's problem is the cause.
+    pattern = [("a", "_allgather_base"), ("b", "all_reduce"), ("a", "_reduce_scatter_base")]
+    issued = {0: pattern * 5 + pattern[:2], 1: pattern * 5 + [pattern[0], pattern[2]]}
+    late = {0: 200, 1: 100}  # when each rank issued its last op
+    configs = {name: {"name": name, "desc": name, "ranks": "[0, 1]"} for name in "ab"}
+    dumps = {}
+    for rank, ops in issued.items():
+        seqs: dict[str, int] = defaultdict(int)
+        entries = []
+        for index, (group, name) in enumerate(ops):
+            seqs[group] += 1
+            created = late[rank] if index == len(ops) - 1 else index
+            entries.append(_nccl_entry(seqs[group], name, "started", created, [[4]], group))
+        dumps[rank] = RankDump(rank=rank, entries=entries, pg_config=configs)
+    diagnosis = diagnose(dumps)
+    cause = diagnosis.problems[0]
+    assert (cause.group, cause.missing, cause.expected.name) == ("b", [1], "all_reduce")
+    assert list(diagnosis.departures) == [1]
 
 
 def test_a_dump_that_holds_objects_is_refused(tmp_path: Path) -> None:

@@ -272,7 +272,8 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     if spec.get("evaluate"):
         result |= _evaluate(trainer, model, spec)
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-    # Leave together: a rank that tears its connections down while another still talks makes that one abort.
+    # Leave together: a rank that tears its gloo connections down while another still talks can make that
+    # one fail (suspected behind a rank-0 SIGABRT seen once in CI, after its results were written).
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -23,7 +23,9 @@ from titan_strategy.flight_recorder.dump import RankDump
 
 __all__ = ["Diagnosis", "GroupProblem", "Op", "P2PState", "diagnose", "format_report", "ops_of", "unmatched_p2p"]
 
-_CONTEXT = 8  # how many agreed ops before a mismatch identify the place in the step
+_CONTEXT = 8  # how many preceding ops identify the place in the step
+_HISTORY = 4096  # how far back the pattern is searched (a few steps of a large model)
+_WINDOW = 16  # how many of a rank's newest collectives are checked against its own pattern
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ class Diagnosis:
     ranks: list[int]
     world_size: int | None
     no_dump: list[int]
-    problems: list[GroupProblem]  # earliest-waiting first: problems[0] is the likely cause
+    problems: list[GroupProblem]  # the likely cause first
+    departures: dict[int, tuple[Op, tuple]]  # rank -> (its op that broke its pattern, the (group, name, sizes) due)
     p2p: list[P2PState]
     progress: dict[str, dict[int, int]]  # group -> rank -> last collective number issued
     stacks: dict[int, list[str]]
@@ -131,13 +134,22 @@ class Diagnosis:
     dumped_ns: dict[int, int]  # when each rank dumped
 
 
+def _next_after(history: list[tuple], min_width: int = 1) -> tuple | None:
+    """What followed ``history``'s last ops the latest time they occurred before (longest match first)."""
+    history = history[-_HISTORY:]
+    for width in range(min(_CONTEXT, len(history) - 1), min_width - 1, -1):
+        context = history[-width:]
+        for end in range(len(history) - 1, width - 1, -1):
+            if history[end - width:end] == context:
+                return history[end]
+    return None
+
+
 def _predicted(agreed: list[tuple], ranks_ops: dict[int, Op]) -> tuple | None:
     """The op due after ``agreed``: what followed the same last few ops earlier, or the majority's op."""
-    for width in range(min(_CONTEXT, len(agreed) - 1), 0, -1):
-        context = agreed[-width:]
-        for end in range(len(agreed) - 1, width - 1, -1):
-            if agreed[end - width:end] == context:
-                return agreed[end]
+    due = _next_after(agreed)
+    if due is not None:
+        return due
     votes: dict[tuple, int] = defaultdict(int)
     for op in ranks_ops.values():
         votes[op.signature] += 1
@@ -178,6 +190,18 @@ def _group_problem(name: str, config: dict[str, Any], by_rank: dict[int, dict[in
                         waiting_since_ns=min(by_rank[r][seq].created_ns for r in issued))
 
 
+def _departure(ops: list[Op]) -> tuple[Op, tuple] | None:
+    """The first of a rank's newest collectives that breaks the pattern of its own earlier ones, with the
+    ``(group, name, sizes)`` that was due there; None if the rank kept to its pattern."""
+    collectives = [op for op in ops if op.name not in ("send", "recv")]
+    signatures = [(op.group, *op.signature) for op in collectives]
+    for index in range(max(_CONTEXT + 1, len(collectives) - _WINDOW), len(collectives)):
+        due = _next_after(signatures[:index], min_width=2)
+        if due is not None and due != signatures[index]:
+            return collectives[index], due
+    return None
+
+
 def diagnose(dumps: dict[int, RankDump]) -> Diagnosis:
     groups = _group_ranks(dumps)
     ops = {rank: ops_of(dump, groups) for rank, dump in dumps.items()}
@@ -194,11 +218,19 @@ def diagnose(dumps: dict[int, RankDump]) -> Diagnosis:
         problem = _group_problem(name, config, by_rank, last)
         if problem is not None:
             problems.append(problem)
-    problems.sort(key=lambda p: p.waiting_since_ns)
+    # The cause is the problem that a rank's departure from its own pattern explains (it was due on that
+    # group and did not come); without one, the problem whose wait began first. Timing alone misleads
+    # when waits begin milliseconds apart on a loaded machine.
+    # A departure counts only where it explains a problem: a rare op (a first validation batch, a save)
+    # breaks the pattern too.
+    departures = {rank: found for rank in dumps if (found := _departure(ops[rank])) is not None
+                  and any(found[1][0] == p.group and rank in p.missing for p in problems)}
+    problems.sort(key=lambda p: (not any(departures[r][1][0] == p.group for r in p.missing if r in departures),
+                                 p.waiting_since_ns))
     return Diagnosis(
         ranks=sorted(dumps), world_size=world_size, no_dump=sorted(set(range(world_size or 0)) - set(dumps)),
-        problems=problems, p2p=[state for rank in sorted(dumps) if (state := _p2p_state(rank, ops[rank]))],
-        progress=progress,
+        problems=problems, departures=departures, progress=progress,
+        p2p=[state for rank in sorted(dumps) if (state := _p2p_state(rank, ops[rank])) is not None],
         # NCCL's own dumps carry no stack of ours: the frames recorded with the newest op stand in.
         stacks={r: d.titan.get("python_stack") or (list(ops[r][-1].frames[::-1]) if ops[r] else [])
                 for r, d in dumps.items()},
@@ -265,6 +297,9 @@ def format_report(diagnosis: Diagnosis, stack_depth: int = 6) -> str:
         lines.extend(f"Likely cause: {line}." for line in unmatched)
     elif not diagnosis.p2p:
         lines.append("Every process group's members issued the same collectives: no collective is missing.")
+    for rank, (op, (group, name, _)) in sorted(diagnosis.departures.items()):
+        lines.append(f"  {_who(diagnosis, rank)} left its own step pattern: it issued #{op.seq} {op.describe()} on "
+                     f"group {op.group} where {name} on group {group} was due")
     if diagnosis.progress:
         lines.append("")
         lines.append("Progress (last collective number issued per process group):")
