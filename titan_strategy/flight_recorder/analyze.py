@@ -9,7 +9,9 @@ issue the same op at the same number. Two things go wrong:
   repeats itself every step, so the op that was due at N is the one that followed the same recent ops
   earlier in the trace; the ranks that issued something else skipped it.
 
-Of all groups' problems the one whose waiting started first is the cause; the others follow from it.
+Of all groups' problems, the cause is the one that some rank's departure from its *own* step pattern
+explains: the op due on that group is the one it skipped. Without such a rank, it is the problem whose
+wait began first. The others follow from it.
 """
 
 from __future__ import annotations
