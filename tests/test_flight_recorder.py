@@ -145,6 +145,25 @@ def test_the_watchdog_dumps_on_an_overrun_and_on_its_signal() -> None:
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
 
 
+def test_off_the_main_thread_the_watchdog_runs_without_its_signal() -> None:
+    started: list[tuple] = []
+
+    def start_elsewhere() -> None:
+        with pytest.warns(UserWarning, match="SIGUSR2 will not dump"):
+            started.append(_watch(0.3, signal.SIGUSR2))
+
+    thread = threading.Thread(target=start_elsewhere)
+    thread.start()
+    thread.join()
+    [(watchdog, reasons, dumped)] = started
+    try:
+        watchdog.arm("training batch 1")
+        assert dumped.wait(5) and reasons == ["training batch 1 exceeded 0.3 s"]
+    finally:
+        watchdog.stop()
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+
+
 def _nccl_entry(seq: int, name: str, state: str, created: int, sizes: list, group: str = "0") -> dict[str, Any]:
     return {"process_group": [group, "default_pg"], "collective_seq_id": seq, "p2p_seq_id": 0, "is_p2p": False,
             "profiling_name": f"nccl:{name}", "state": state, "time_created_ns": created, "input_sizes": sizes,

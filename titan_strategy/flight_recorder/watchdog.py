@@ -19,6 +19,7 @@ import select
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -31,8 +32,8 @@ HANG_EXIT_CODE = 75  # EX_TEMPFAIL: the job may be restarted; the dumps say why 
 class Watchdog:
     """Watches the armed step; ``dump(reason)`` is called on this thread, never concurrently."""
 
-    def __init__(self, dump: Callable[[str], None], timeout_s: float, store_key: str, dump_signal: int | None,
-                 exit_on_hang: bool, poll_s: float = 1.0) -> None:
+    def __init__(self, dump: Callable[[str], None], timeout_s: float, store_key: str,
+                 dump_signal: signal.Signals | None, exit_on_hang: bool, poll_s: float = 1.0) -> None:
         self._dump = dump
         self._timeout_s = timeout_s
         self._store_key = store_key
@@ -50,7 +51,12 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="titan-flight-recorder", daemon=True)
 
     def start(self) -> None:
-        """Start watching; call on the main thread (signal handlers can only be installed there)."""
+        """Start watching. Signal handlers can only be installed on the main thread; elsewhere (a Trainer run
+        from a worker thread) the watchdog runs without one."""
+        if self._dump_signal is not None and threading.current_thread() is not threading.main_thread():
+            warnings.warn(f"FlightRecorder: not on the main thread, so {self._dump_signal.name} will not dump "
+                          f"(overruns, exceptions and other ranks' requests still do).", stacklevel=2)
+            self._dump_signal = None
         if self._dump_signal is not None:
             self._previous_handler = signal.signal(self._dump_signal, lambda *_: None)  # the pipe does the work
             self._previous_wakeup_fd = signal.set_wakeup_fd(self._wakeup_write, warn_on_full_buffer=False)
@@ -58,7 +64,8 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
-        os.write(self._wakeup_write, b"\0")
+        with contextlib.suppress(BlockingIOError):  # a full pipe wakes the thread just as well
+            os.write(self._wakeup_write, b"\0")
         self._thread.join(timeout=10)
         if self._dump_signal is not None:
             signal.set_wakeup_fd(self._previous_wakeup_fd if self._previous_wakeup_fd is not None else -1)
