@@ -2,7 +2,7 @@
 
     Trainer(strategy=TitanStrategy(...), callbacks=[FlightRecorder(timeout_s=120)])
     TitanStrategy(flight_recorder=True)               # the same with defaults
-    titan-fr analyze lightning_logs/flight_recorder   # which rank, which collective
+    titan-fr analyze flight_recorder                  # <default_root_dir>/flight_recorder: which rank, which op
 
 What it does, in the order of a run:
 
