@@ -104,8 +104,9 @@ def test_a_signal_dumps_on_demand_and_training_goes_on(accelerator: str, tmp_pat
     assert [p.name for p in run.glob("rank_*.json")] == ["rank_0.json"]  # only the signalled rank
     [ours] = read_dumps(run).values()
     assert ours.titan["reason"] == "signal SIGUSR2" and ours.entries
-    backend = "gloo" if accelerator == "cpu" else "nccl"
-    assert all(entry["profiling_name"].startswith(f"{backend}:") for entry in ours.entries)
+    # On CUDA the strategy's checkpoint group is gloo, so gloo entries may appear beside NCCL's.
+    backends = {entry["profiling_name"].split(":")[0] for entry in ours.entries}
+    assert ("gloo" if accelerator == "cpu" else "nccl") in backends and backends <= {"gloo", "nccl"}, backends
     # torch's own pickled format (what NCCL writes on a timeout) reads into the same ops.
     [native] = read_dumps(tmp_path / "native").values()
     diagnosis = diagnose({0: native})
