@@ -1,31 +1,62 @@
-"""Single-GPU training throughput of Lightning Trainer + TitanStrategy + LlamaModule.
+"""Single-GPU training throughput of Lightning Trainer + TitanStrategy + LlamaModule, against a plain loop.
 
-    python benchmarks/throughput.py --flavor 1B --seq-len 8192 --batch-size 2 --steps 30
+    python benchmarks/throughput.py --matrix 1B --results benchmarks/RESULTS.md      # the 1B rows
+    python benchmarks/throughput.py --matrix 8B-width --results benchmarks/RESULTS.md
+    python benchmarks/throughput.py --flavor 1B --compile --compile-loss --activation-checkpointing selective_op
 
-Random tokens (the data path is not measured), bf16-mixed through FSDP2's MixedPrecisionPolicy on a
-one-rank mesh, fused AdamW. Reports tokens/s and MFU over the steps after warm-up, and peak memory.
-MFU counts 6 * (parameters without the embedding) + 12 * layers * dim * seq_len FLOPs per token (the
-recomputation of activation checkpointing is not counted). A run that runs out of GPU memory prints
-``"oom": true`` and the peak it reached instead of failing.
+Each row runs in a fresh process. In it, a plain PyTorch loop trains the same recipe first (when the row
+asks for a reference): the model parallelized by the same ``titan_strategy.parallelize`` call, the
+same data loader, fused AdamW, clipping at 1.0, an LR warm-up, no Lightning. Then Lightning
+trains it through TitanStrategy. Both are timed over the same steps after warm-up, so their ratio is
+what Lightning and the strategy's hooks cost, measured side by side.
+
+Shapes: ``1B`` is the Llama-3.2-1B shape (dim 2048, 16 layers, untied output), seq 8192, batch 2;
+``8B-width`` is Llama-3-8B's width (dim 4096, ffn 14336) with 16 layers, seq 8192, batch 1. Random
+tokens (the data path is not measured), bf16-mixed through FSDP2's MixedPrecisionPolicy on a
+one-rank mesh. MFU counts ``LlamaModule.flops_per_token`` (recomputation not counted) over the
+device's dense bf16 peak. A run that runs out of memory reports ``oom`` instead of failing.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import gc
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
 from llama_module import LlamaModule
 from llama_module.args import get_flavor
-from titan_strategy import TitanStrategy
+from titan_strategy import ParallelDims, Throughput, TitanStrategy
+from titan_strategy.callbacks.throughput import peak_tflops_of
+from titan_strategy.grad_norm import clip_grad_norm_
+from titan_strategy.mesh import build_mesh
+from titan_strategy.parallelize import ParallelizeConfig, parallelize
+from titan_strategy.parallelize.float8 import precompute_float8_scales
+from titan_strategy.pipeline.layout import PipelineConfig
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+SHAPES = {"1B": {"flavor": "1B", "n_layers": None, "batch_size": 2},
+          "8B-width": {"flavor": "8B", "n_layers": 16, "batch_size": 1}}
+# Rows of each matrix: (compile, compile_loss, activation checkpointing, float8, with the plain-loop reference).
+MATRICES = {
+    "1B": [(False, False, "none", "none", False), (True, False, "none", "none", False),
+           (True, True, "none", "none", True), (True, True, "selective_op", "none", False),
+           (True, True, "selective_layer", "none", False), (True, True, "full", "none", False)],
+    "8B-width": [(True, True, "none", "none", True), (True, True, "none", "tensorwise", True),
+                 (True, True, "none", "rowwise", False)],
+}
 
 
 class RandomTokens(Dataset):
@@ -41,72 +72,205 @@ class RandomTokens(Dataset):
 
 
 class StepTimer(Callback):
+    """Wall time from the end of step ``warmup`` to the end of training: two host syncs in all."""
+
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
-        self.start: float | None = None
+        self.start = self.elapsed = 0.0
         self.timed_steps = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
-        torch.cuda.synchronize()
         if trainer.global_step == self.warmup:
+            torch.cuda.synchronize()
             self.start = time.perf_counter()
-        elif trainer.global_step > self.warmup:
-            self.timed_steps += 1
-        self.elapsed = time.perf_counter() - (self.start or time.perf_counter())
+
+    def on_train_end(self, trainer: L.Trainer, *args: object) -> None:
+        torch.cuda.synchronize()
+        self.elapsed = time.perf_counter() - self.start
+        self.timed_steps = trainer.global_step - self.warmup
+
+
+def _strategy_knobs(row: dict[str, Any]) -> dict[str, Any]:
+    return {"compile": row["compile"], "compile_loss": row["compile_loss"],
+            "activation_checkpointing": row["ac"], "float8": row["float8"]}
+
+
+def _loader(row: dict[str, Any], vocab: int) -> DataLoader:
+    return DataLoader(RandomTokens(row["steps"] * row["batch_size"], row["seq_len"], vocab),
+                      batch_size=row["batch_size"], num_workers=2, pin_memory=True)
+
+
+def _module(row: dict[str, Any]) -> LlamaModule:
+    config = get_flavor(row["flavor"])
+    if row["n_layers"] is not None:
+        config = dataclasses.replace(config, n_layers=row["n_layers"])
+    return LlamaModule(model=dataclasses.replace(config, max_seq_len=max(row["seq_len"], 2048)), warmup_steps=10,
+                       decay_steps=1000)
+
+
+def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
+    """The same recipe without Lightning: parallelize, then forward, loss, backward, clip, step."""
+    device = torch.device("cuda", 0)
+    module = _module(row)
+    with torch.device("meta"):
+        module.configure_model()
+    dims = ParallelDims.from_world_size(1, dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1)
+    config = ParallelizeConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reshard_after_forward="default",
+                               sequence_parallel=True, loss_parallel=True, async_tp=False, compile=row["compile"],
+                               activation_checkpointing=row["ac"], activation_checkpointing_every=2,
+                               float8=row["float8"], pipeline=PipelineConfig(size=1))
+    model = parallelize(module.parallel_plan(), build_mesh(dims, "cuda"), dims, config, device).parts[0]
+    loss_fn = torch.compile(module.compute_loss) if row["compile_loss"] else module.compute_loss
+    optimizer = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min((step + 1) / 11, 1.0))
+    start, done = 0.0, 0
+    for step, batch in enumerate(_loader(row, module.config.vocab_size), start=1):
+        inputs, labels = batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
+        loss = loss_fn(model(inputs), labels)
+        loss.backward()
+        clip_grad_norm_(list(model.parameters()), max_norm=1.0)
+        optimizer.step()
+        if row["float8"] == "tensorwise":
+            precompute_float8_scales(model)
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        if step == row["warmup"]:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        done = step
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    result = _rates(row, module, (done - row["warmup"]) / elapsed)
+    del model, optimizer, loss
+    return result
+
+
+def lightning_run(row: dict[str, Any]) -> dict[str, Any]:
+    module = _module(row)
+    timer = StepTimer(row["warmup"])
+    throughput = Throughput(log_every_n_steps=10, prog_bar=False)
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=TitanStrategy(**_strategy_knobs(row)),
+                        precision="bf16-mixed", max_steps=row["steps"], gradient_clip_val=1.0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, callbacks=[timer, throughput])
+    trainer.fit(module, train_dataloaders=_loader(row, module.config.vocab_size))
+    result = _rates(row, module, timer.timed_steps / timer.elapsed)
+    last = throughput.windows[-1]
+    result["callback_tokens_per_s"] = round(last.tokens_per_s_per_device)
+    result["callback_mfu_percent"] = None if last.mfu is None else round(100 * last.mfu, 1)
+    return result
+
+
+def _rates(row: dict[str, Any], module: LlamaModule, steps_per_s: float) -> dict[str, Any]:
+    tokens_per_s = steps_per_s * row["batch_size"] * row["seq_len"]
+    peak = peak_tflops_of(torch.cuda.get_device_name()) or float("nan")
+    return {"tokens_per_s": round(tokens_per_s),
+            "mfu_percent": round(100 * tokens_per_s * module.flops_per_token(row["seq_len"]) / (peak * 1e12), 1),
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1)}
+
+
+def _fresh_memory() -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def run_row(row: dict[str, Any]) -> dict[str, Any]:
+    """One row, in this process: the plain loop (if asked), then Lightning."""
+    result: dict[str, Any] = {**row}
+    # One process group for both runs (Lightning reuses an initialized one).
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{row['port']}", world_size=1, rank=0,
+                            device_id=torch.device("cuda", 0))
+    for name, run in (("plain", plain_loop if row["reference"] else None), ("lightning", lightning_run)):
+        if run is None:
+            continue
+        _fresh_memory()
+        try:
+            result[name] = run(row)
+        except torch.OutOfMemoryError:
+            result[name] = {"oom": True, "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
+    if "plain" in result and "tokens_per_s" in result["plain"] and "tokens_per_s" in result["lightning"]:
+        result["lightning_vs_plain"] = round(result["lightning"]["tokens_per_s"] / result["plain"]["tokens_per_s"], 4)
+    return result
+
+
+def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    common = {"seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup}
+    if args.matrix is None:
+        shape = {"flavor": args.flavor, "n_layers": args.n_layers, "batch_size": args.batch_size}
+        return [{**shape, **common, "compile": args.compile, "compile_loss": args.compile_loss, "ac": args.activation_checkpointing,
+                 "float8": args.float8, "reference": args.reference}]
+    return [{**SHAPES[args.matrix], **common, "compile": compile, "compile_loss": compile_loss, "ac": ac,
+             "float8": float8, "reference": reference}
+            for compile, compile_loss, ac, float8, reference in MATRICES[args.matrix]]
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    lines = ["| shape | compile | compiled loss | AC | float8 | tokens/s | MFU | peak alloc / reserved GiB | "
+             "plain loop tokens/s | Lightning / plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        run, plain = r["lightning"], r.get("plain")
+        shape = r["flavor"] if r["n_layers"] is None else f"{r['flavor']} width x {r['n_layers']} layers"
+        speed = "OOM | —" if run.get("oom") else f"{run['tokens_per_s']:,} | {run['mfu_percent']}%"
+        memory = f"{run['peak_memory_gib']} / {run.get('peak_reserved_gib', '—')}"
+        reference = "—" if plain is None else "OOM" if plain.get("oom") else f"{plain['tokens_per_s']:,}"
+        ratio = f"{r['lightning_vs_plain']:.3f}" if "lightning_vs_plain" in r else "—"
+        lines.append(f"| {shape} | {'yes' if r['compile'] else 'no'} | {'yes' if r['compile_loss'] else 'no'} | "
+                     f"{r['ac']} | {r['float8']} | {speed} | {memory} | {reference} | {ratio} |")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    if os.environ.get("TITAN_COMMIT"):
+        return os.environ["TITAN_COMMIT"]
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return found.stdout.strip() or "unknown"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--matrix", choices=sorted(MATRICES), help="run every row of a matrix")
     parser.add_argument("--flavor", default="1B")
-    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--n-layers", type=int, help="override the flavor's number of blocks")
     parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
-    parser.add_argument("--activation-checkpointing", default="none", choices=["none", "full"])
-    parser.add_argument("--n-layers", type=int, help="override the flavor's number of blocks")
+    parser.add_argument("--compile-loss", action="store_true", help="torch.compile the loss")
+    parser.add_argument("--activation-checkpointing", default="none",
+                        choices=["none", "full", "selective_op", "selective_layer"])
+    parser.add_argument("--float8", default="none", choices=["none", "tensorwise", "rowwise"])
+    parser.add_argument("--reference", action="store_true", help="also run the plain-loop reference")
+    parser.add_argument("--results", type=Path, help="append a dated section with the table to this Markdown file")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row's JSON, run in this process
     args = parser.parse_args()
-
-    config = get_flavor(args.flavor)
-    if args.n_layers is not None:
-        config = dataclasses.replace(config, n_layers=args.n_layers)
-    config = dataclasses.replace(config, max_seq_len=max(args.seq_len, 2048))
-    timer = StepTimer(args.warmup)
-    strategy = TitanStrategy(compile=args.compile, activation_checkpointing=args.activation_checkpointing)
-    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, precision=args.precision,
-                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
-    module = LlamaModule(model=config, warmup_steps=10)
-    data = DataLoader(RandomTokens(args.steps * args.batch_size, args.seq_len, config.vocab_size),
-                      batch_size=args.batch_size, num_workers=2, pin_memory=True)
-    torch.cuda.reset_peak_memory_stats()
-    setting = {"flavor": args.flavor, "n_layers": config.n_layers, "seq_len": args.seq_len, "batch_size": args.batch_size,
-               "precision": args.precision, "compile": args.compile,
-               "activation_checkpointing": args.activation_checkpointing}
-    try:
-        trainer.fit(module, train_dataloaders=data)
-    except torch.OutOfMemoryError:
-        print(json.dumps({**setting, "oom": True, "timed_steps": timer.timed_steps, **_memory()}))
+    if args.row:
+        print("ROW " + json.dumps(run_row(json.loads(args.row))), flush=True)
         return
+    results = []
+    for index, row in enumerate(_rows(args)):
+        row["port"] = 29600 + index
+        done = subprocess.run([sys.executable, __file__, "--row", json.dumps(row)], capture_output=True, text=True)
+        found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
+        if done.returncode or not found:
+            print(done.stdout[-3000:], done.stderr[-6000:], file=sys.stderr)
+            raise SystemExit(f"row {row} failed with exit code {done.returncode}")
+        results.append(json.loads(found[0]))
+        print(json.dumps(results[-1]), flush=True)
+    table = _table(results)
+    print(table)
+    if args.results is not None:
+        import torchao
 
-    tokens_per_s = timer.timed_steps * args.batch_size * args.seq_len / timer.elapsed
-    flops_per_token = 6 * config.num_params(exclude_embedding=True) + 12 * config.n_layers * config.dim * args.seq_len
-    name = torch.cuda.get_device_name()
-    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), float("nan"))
-    result = {
-        **setting, "oom": False, "tokens_per_s": round(tokens_per_s),
-        "mfu_percent": round(100 * tokens_per_s * flops_per_token / (peak * 1e12), 1), **_memory(), "device": name,
-        "torch": torch.__version__, "lightning": L.__version__, "timed_steps": timer.timed_steps,
-    }
-    if trainer.is_global_zero:
-        print(json.dumps(result))
-
-
-def _memory() -> dict[str, float]:
-    return {"peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1),
-            "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
+        header = (f"\n## {datetime.date.today()} — throughput matrix {args.matrix or 'single row'} (issue #8)\n\n"
+                  f"Machine: 1 x {torch.cuda.get_device_name()}, torch {torch.__version__}, lightning {L.__version__}, "
+                  f"torchao {torchao.__version__}, commit {_commit()}. Command: `python benchmarks/throughput.py "
+                  f"{' '.join(sys.argv[1:])}`; steps {args.steps}, timed after step {args.warmup}.\n\n")
+        with args.results.open("a") as results_file:
+            results_file.write(header + table + "\n")
 
 
 if __name__ == "__main__":

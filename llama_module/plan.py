@@ -77,4 +77,5 @@ def llama_plan(model: Llama) -> ParallelPlan:
     # Attention is the one place tokens meet; RoPE rows follow their tokens' positions.
     context_parallel = ContextParallelPlan(attention="layers.*.attention.sdpa", buffers={"rope.table": 0})
     return ParallelPlan(model=model, fsdp_units=units, init_weights=model.init_weights, blocks=blocks,
-                        tensor_parallel=tensor_parallel, pipeline=pipeline, context_parallel=context_parallel)
+                        tensor_parallel=tensor_parallel, pipeline=pipeline, context_parallel=context_parallel,
+                        float8_skip=("output",))

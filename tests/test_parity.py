@@ -83,10 +83,14 @@ def single_process(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str,
     (4, {}),
     (4, {"data_parallel_replicate_size": 2, "data_parallel_shard_size": 2}),
     (2, {"activation_checkpointing": "full"}),
-], ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2-full-ac"])
+    (2, {"activation_checkpointing": "selective_layer", "activation_checkpointing_every": 2}),
+    # Selective AC's policy inside compiled blocks, and the compiled loss.
+    (2, {"activation_checkpointing": "selective_op", "compile": True, "compile_loss": True}),
+], ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2-full-ac", "fsdp2-selective-layer-ac", "fsdp2-selective-op-ac-compiled"])
 def test_loss_and_grad_norm_match_single_process(nproc: int, strategy: dict, single_process: dict, tmp_path: Path,
                                                  test_env: dict[str, str]) -> None:
-    spec = {"steps": STEPS, "batch_size": GLOBAL_BATCH // nproc, "clip": 1.0, "strategy": strategy}
+    spec = {"steps": STEPS, "batch_size": GLOBAL_BATCH // nproc, "clip": 1.0, "strategy": strategy,
+            "timeout_seconds": 300 if strategy.get("compile") else 60}  # a cold inductor cache is slow
     records = launch(nproc, spec, tmp_path, test_env)
     _assert_identical_on_all_ranks(records)
     _assert_identical_on_all_ranks(records, "grad_norm")

@@ -41,7 +41,12 @@ def test_bad_layout_fails_in_trainer_init_without_launching_or_writing(strategy:
     ({"fsdp_reshard_after_forward": "sometimes"}, r"fsdp_reshard_after_forward='sometimes' must be one of"),
     ({"timeout_seconds": 0}, r"timeout_seconds=0 must be > 0"),
     ({"context_parallel_rotate_method": "ring"}, r"context_parallel_rotate_method='ring' must be one of \['allgather', "),
-    ({"activation_checkpointing": "some"}, r"activation_checkpointing='some' must be one of \['none', 'full'\]"),
+    ({"activation_checkpointing": "some"},
+     r"activation_checkpointing='some' must be one of \['none', 'full', 'selective_op', 'selective_layer'\]"),
+    ({"activation_checkpointing": "selective_layer", "activation_checkpointing_every": 0},
+     r"activation_checkpointing_every=0 must be >= 1"),
+    ({"float8": "blockwise"}, r"float8='blockwise' must be one of \['none', 'tensorwise', 'rowwise'\]"),
+    ({"float8": "rowwise", "tensor_parallel_size": 2}, r"float8='rowwise' with tensor_parallel_size=2 is not supported"),
 ])
 def test_bad_knobs_fail_at_construction(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -75,3 +80,20 @@ def test_registered_name_gives_the_contract_defaults(tmp_path: Path) -> None:
     dims = strategy.parallel_dims
     assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp) == (1, 4, 1, 1, 1)
     assert strategy.pipeline.schedule == "1F1B" and strategy.is_distributed
+
+
+def test_float8_is_refused_on_cpu_in_trainer_init(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"float8='tensorwise' needs an NVIDIA GPU of compute capability >= 8.9.*"
+                                         r"run is on cpu; use float8='none'"):
+        _trainer(tmp_path, TitanStrategy(float8="tensorwise"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compile_loss_needs_a_compute_loss_before_launch(tmp_path: Path) -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = _trainer(tmp_path, TitanStrategy(compile_loss=True), max_steps=1)
+    with pytest.raises(ValueError, match=r"compile_loss=True compiles the module's compute_loss\(output, target\), "
+                                         r"but BoringModel has none"):
+        trainer.fit(BoringModel())
+    assert list(tmp_path.iterdir()) == []

@@ -9,6 +9,7 @@ that fails writes OUT_DIR/rank{N}.error instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import titan_strategy.checkpoint.io as checkpoint_io
 from llama_module import LlamaConfig, LlamaModule, TextDataModule
-from titan_strategy import FlightRecorder, TitanStrategy
+from titan_strategy import FlightRecorder, Throughput, TitanStrategy
 
 # 8 query and 4 kv heads: grouped-query attention that still splits 4 ways under tensor parallelism.
 TINY = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=128, max_seq_len=64)
@@ -231,6 +232,9 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
         callbacks.append(FlightRecorder(**spec["flight_recorder"]))
     if "drill" in spec:
         callbacks.append(Sabotage(spec["drill"], out_dir))
+    throughput = Throughput(**spec["throughput"]) if "throughput" in spec else None
+    if throughput is not None:
+        callbacks.append(throughput)
     removal_log = RemovalLog()
     if spec.get("slow_writes_s") or spec.get("kill_during_save"):
         _interfere_with_writes(spec.get("slow_writes_s", 0.0), spec.get("kill_during_save"))
@@ -265,6 +269,8 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
               "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step,
               "batch_rank": trainer.strategy.distributed_sampler_kwargs["rank"] if trainer.world_size > 1 else 0,
               "removals": removal_log.removals, "callbacks": [type(c).__name__ for c in trainer.callbacks]}
+    if throughput is not None:
+        result["throughput"] = [dataclasses.asdict(window) | window.metrics() for window in throughput.windows]
     if spec.get("lightning_callbacks"):
         checkpoint = trainer.checkpoint_callback
         result |= {"best_model_score": float(checkpoint.best_model_score),

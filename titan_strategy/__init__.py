@@ -5,15 +5,15 @@ Importing this package registers the strategy name ``"titan"``: ``Trainer(strate
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from titan_strategy.callbacks import FlightRecorder
+from titan_strategy.callbacks import FlightRecorder, Throughput
 from titan_strategy.checkpoint import CHECKPOINT_MODES, CorruptCheckpointError, DistributedCheckpointIO
 from titan_strategy.mesh import ParallelDims, TitanMesh
 from titan_strategy.plan import ContextParallelPlan, ParallelPlan, PipelinePlan, TensorParallelPlan
 from titan_strategy.strategy import PIPELINE_SCHEDULES, TitanStrategy
 
 __all__ = ["CHECKPOINT_MODES", "PIPELINE_SCHEDULES", "ContextParallelPlan", "CorruptCheckpointError",
-           "DistributedCheckpointIO", "FlightRecorder", "ParallelDims", "ParallelPlan", "PipelinePlan", "TensorParallelPlan", "TitanMesh",
-           "TitanStrategy"]
+           "DistributedCheckpointIO", "FlightRecorder", "ParallelDims", "ParallelPlan", "PipelinePlan",
+           "TensorParallelPlan", "Throughput", "TitanMesh", "TitanStrategy"]
 
 if TitanStrategy.strategy_name not in StrategyRegistry:
     TitanStrategy.register_strategies(StrategyRegistry)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from titan_strategy.parallelize.activation_checkpoint import AC_MODES
+from titan_strategy.parallelize.activation_checkpoint import check_ac
 from titan_strategy.parallelize.context_parallel import ROTATE_METHODS
+from titan_strategy.parallelize.float8 import FLOAT8_RECIPES
 from titan_strategy.pipeline.layout import ZERO_BUBBLE_SCHEDULES, PipelineConfig
 
 __all__ = ["check_knobs"]
@@ -16,24 +17,31 @@ _RESHARD_POLICIES = ("default", "always", "never")
 _COMPILED_TP_IS_BROKEN = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
-def check_knobs(*, reshard: str, timeout_seconds: float, compile: bool, tensor_parallel_size: int,
-                async_tensor_parallel: bool, rotate_method: str, activation_checkpointing: str,
+def check_knobs(*, reshard: str, timeout_seconds: float, compile: bool, compile_loss: bool,
+                tensor_parallel_size: int, async_tensor_parallel: bool, rotate_method: str,
+                activation_checkpointing: str, activation_checkpointing_every: int, float8: str,
                 pipeline: PipelineConfig) -> None:
     """Raise ``ValueError`` naming the knob to change; the pipeline knobs check themselves."""
     if reshard not in _RESHARD_POLICIES:
         raise ValueError(f"fsdp_reshard_after_forward={reshard!r} must be one of {list(_RESHARD_POLICIES)}.")
     if rotate_method not in ROTATE_METHODS:
         raise ValueError(f"context_parallel_rotate_method={rotate_method!r} must be one of {list(ROTATE_METHODS)}.")
-    if activation_checkpointing not in AC_MODES:
-        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} must be one of {list(AC_MODES)}.")
+    check_ac(activation_checkpointing, activation_checkpointing_every)
+    if float8 not in FLOAT8_RECIPES:
+        raise ValueError(f"float8={float8!r} must be one of {list(FLOAT8_RECIPES)}.")
+    if float8 != "none" and tensor_parallel_size > 1:
+        raise ValueError(f"float8={float8!r} with tensor_parallel_size={tensor_parallel_size} is not supported yet "
+                         "(float8 tensor-parallel styles are not validated without several GPUs); use float8='none' "
+                         "or tensor_parallel_size=1.")
     if timeout_seconds <= 0:
         raise ValueError(f"timeout_seconds={timeout_seconds!r} must be > 0.")
-    if compile and tensor_parallel_size > 1 and _COMPILED_TP_IS_BROKEN:
-        raise ValueError(
-            f"compile=True with tensor_parallel_size={tensor_parallel_size} gives wrong gradients on torch "
-            f"{torch.__version__} (a DTensor backward regression; torch 2.11 is correct). Use compile=False, "
-            "or torch 2.11."
-        )
+    for name, on in (("compile", compile), ("compile_loss", compile_loss)):
+        if on and tensor_parallel_size > 1 and _COMPILED_TP_IS_BROKEN:
+            raise ValueError(
+                f"{name}=True with tensor_parallel_size={tensor_parallel_size} gives wrong gradients on torch "
+                f"{torch.__version__} (a DTensor backward regression; torch 2.11 is correct). Use {name}=False, "
+                "or torch 2.11."
+            )
     if async_tensor_parallel and not compile:
         raise ValueError("async_tensor_parallel=True needs compile=True: AsyncTP is an inductor pass over "
                          "compiled blocks. Set compile=True, or async_tensor_parallel=False.")

@@ -105,6 +105,8 @@ class ParallelPlan:
         tensor_parallel: how to split the model across TP ranks; None if it cannot be.
         pipeline: how to cut the model into pipeline stages; None if it cannot be.
         context_parallel: how to split the sequence across CP ranks; None if it cannot be.
+        float8_skip: linear layers that stay in bf16 under float8 training (the output projection,
+            whose logits need the precision).
     """
 
     model: nn.Module
@@ -114,6 +116,7 @@ class ParallelPlan:
     tensor_parallel: TensorParallelPlan | None = None
     pipeline: PipelinePlan | None = None
     context_parallel: ContextParallelPlan | None = None
+    float8_skip: tuple[str, ...] = ()
 
 
 @runtime_checkable

@@ -14,11 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
@@ -48,6 +44,7 @@ from titan_strategy.knobs import check_knobs
 from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
 from titan_strategy.parallelize import ParallelizeConfig, parallelize
 from titan_strategy.parallelize.context_parallel import SequenceSharder, check_cp_sequence_length, ring_attention
+from titan_strategy.parallelize.float8 import check_float8_device, precompute_float8_scales
 from titan_strategy.parallelize.fsdp import ReshardPolicy
 from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
 from titan_strategy.parallelize.tensor_parallel import as_local_loss, check_sequence_length, loss_parallel_context
@@ -91,8 +88,15 @@ class TitanStrategy(ParallelStrategy):
         loss_parallel: under TP, keep logits sharded on the vocabulary and compute the loss that way.
         async_tensor_parallel: overlap TP communication with matmuls (AsyncTP); CUDA and compile only.
         compile: ``torch.compile`` each repeated block of the model.
-        activation_checkpointing: "none", or "full": keep only each block's input and recompute the
-            block in backward (less activation memory for about one more forward).
+        compile_loss: ``torch.compile`` the module's ``compute_loss(output, target)`` (the fp32 upcast of the
+            logits fuses into the cross-entropy instead of materializing full-vocabulary fp32 logits).
+        activation_checkpointing: how much of each block's activations backward recomputes instead of keeping:
+            "none"; "full" (keep only the block's input: least memory, about one more forward);
+            "selective_op" (keep attention and every other matmul output, recompute the cheap rest);
+            "selective_layer" (fully checkpoint every ``activation_checkpointing_every``-th block).
+        activation_checkpointing_every: the k of "selective_layer".
+        float8: torchao float8 training of the linear layers (the plan's ``float8_skip`` stays bf16): "none",
+            "tensorwise" (float8 FSDP all-gather) or "rowwise". CUDA compute capability >= 8.9 only.
         process_group_backend: "gloo", "nccl", ...; None picks by device.
         timeout_seconds: process-group timeout; a collective that waits longer fails instead of hanging.
         initial_weights: a checkpoint whose model weights replace the initialization (a TitanStrategy
@@ -128,7 +132,10 @@ class TitanStrategy(ParallelStrategy):
         loss_parallel: bool = True,
         async_tensor_parallel: bool = False,
         compile: bool = False,
-        activation_checkpointing: Literal["none", "full"] = "none",
+        compile_loss: bool = False,
+        activation_checkpointing: Literal["none", "full", "selective_op", "selective_layer"] = "none",
+        activation_checkpointing_every: int = 2,
+        float8: Literal["none", "tensorwise", "rowwise"] = "none",
         process_group_backend: str | None = None,
         timeout_seconds: float = 1800.0,
         initial_weights: str | None = None,
@@ -151,8 +158,10 @@ class TitanStrategy(ParallelStrategy):
             split_points=tuple(pipeline_split_points) if pipeline_split_points is not None else None,
         )
         check_knobs(reshard=fsdp_reshard_after_forward, timeout_seconds=timeout_seconds, compile=compile,
-                    tensor_parallel_size=tensor_parallel_size, async_tensor_parallel=async_tensor_parallel,
-                    rotate_method=context_parallel_rotate_method, activation_checkpointing=activation_checkpointing,
+                    compile_loss=compile_loss, tensor_parallel_size=tensor_parallel_size,
+                    async_tensor_parallel=async_tensor_parallel, rotate_method=context_parallel_rotate_method,
+                    activation_checkpointing=activation_checkpointing,
+                    activation_checkpointing_every=activation_checkpointing_every, float8=float8,
                     pipeline=self.pipeline)
         self._degrees = {"dp_replicate": data_parallel_replicate_size, "dp_shard": data_parallel_shard_size,
                          "cp": context_parallel_size, "tp": tensor_parallel_size, "pp": pipeline_parallel_size}
@@ -161,7 +170,10 @@ class TitanStrategy(ParallelStrategy):
         self.loss_parallel = loss_parallel
         self.async_tensor_parallel = async_tensor_parallel
         self.compile = compile
+        self.compile_loss = compile_loss
         self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing_every = activation_checkpointing_every
+        self.float8 = float8
         self.context_parallel_rotate_method = context_parallel_rotate_method
         self._plan: ParallelPlan | None = None
         self._sequence_sharder: SequenceSharder | None = None
@@ -235,6 +247,7 @@ class TitanStrategy(ParallelStrategy):
             raise ValueError(f"async_tensor_parallel=True runs on CUDA only (symmetric memory), not on "
                              f"{self.root_device.type!r}; set async_tensor_parallel=False.")
         self.checkpoint_io.check_device(self.root_device)
+        check_float8_device(self.float8, self.root_device)
         if not self.cluster_environment.creates_processes_externally:
             # The processes it starts inherit this, so their Flight Recorder dumps share one run folder.
             os.environ.setdefault(RUN_ID_ENV, time.strftime("%Y%m%d-%H%M%S"))
@@ -304,6 +317,8 @@ class TitanStrategy(ParallelStrategy):
             # A module that parallelized itself keeps Lightning's semantics: reset_parameters() and autocast.
             precision.use_autocast = True
             materialize_with_reset_parameters(self.model, self.root_device)
+        if self.compile_loss:
+            self._compile_loss(module)
         precision.on_grad_norm = self._log_grad_norm
         precision.before_parameter_update = self.checkpoint_io.wait_for_staging
         self.model_to_device()
@@ -328,6 +343,20 @@ class TitanStrategy(ParallelStrategy):
         # restores modules, callbacks and loops from the loaded dict, is the same as fit(ckpt_path=newest).
         trainer._checkpoint_connector.resume_start(newest)
 
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        # Before any process starts: the module is known here first.
+        if self.compile_loss and not callable(getattr(model, "compute_loss", None)):
+            raise ValueError(f"compile_loss=True compiles the module's compute_loss(output, target), but "
+                             f"{type(model).__name__} has none; define it (see LlamaModule) or set compile_loss=False.")
+        super().connect(model)
+
+    @staticmethod
+    def _compile_loss(module: pl.LightningModule) -> None:
+        loss = module.compute_loss
+        if not hasattr(loss, "_torchdynamo_orig_callable"):  # a later fit/validate keeps the compiled one
+            module.compute_loss = torch.compile(loss)
+
     def _check_plan_support(self) -> None:
         if self.parallel_dims.pp > 1 and not self.lightning_module.automatic_optimization:
             raise ValueError(f"pipeline_parallel_size={self.parallel_dims.pp} runs forward and backward inside the "
@@ -340,7 +369,9 @@ class TitanStrategy(ParallelStrategy):
             param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
             reshard_after_forward=self.fsdp_reshard_after_forward, sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel, async_tp=self.async_tensor_parallel, compile=self.compile,
-            activation_checkpointing=self.activation_checkpointing, pipeline=self.pipeline,
+            activation_checkpointing=self.activation_checkpointing,
+            activation_checkpointing_every=self.activation_checkpointing_every, float8=self.float8,
+            pipeline=self.pipeline,
         )
         self._plan = module.parallel_plan()
         parallelized = parallelize(self._plan, self.device_mesh, self.parallel_dims, config, self.root_device)
@@ -497,6 +528,15 @@ class TitanStrategy(ParallelStrategy):
         self._fitting = False
         self.checkpoint_io.flush_after_exception()
 
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.float8 == "tensorwise" and self._plan is not None:
+            # The float8 all-gather reads each weight's scale; computing them all at once here is one
+            # reduction instead of one per weight in the next forward.
+            precompute_float8_scales(self._plan.model)
+        return output
+
     def _log_grad_norm(self, norm: Tensor) -> None:
         self.lightning_module.log("grad_norm", norm, on_step=True, prog_bar=True)
 
@@ -548,7 +588,7 @@ class TitanStrategy(ParallelStrategy):
             return tensor
         if group is None and self._mesh is not None:
             group = self._mesh["loss"].get_group()
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return _all_reduce(tensor, group, reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -636,6 +676,24 @@ class TitanStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="4-D parallelism (FSDP2/HSDP, TP, CP, PP)")
+
+
+def _all_reduce(tensor: Tensor, group: dist.ProcessGroup | None, reduce_op: ReduceOp | str | None) -> Tensor:
+    """Reduce in place, like Lightning's sync but without its barrier before every reduction.
+
+    On NCCL that barrier blocks the host until the GPU catches up: every ``self.log(..., sync_dist=True)``
+    would stall the step. Means are sums divided by the group size (gloo has no AVG).
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return tensor
+    name = reduce_op.lower() if isinstance(reduce_op, str) else None
+    mean = name in ("mean", "avg")
+    op = ReduceOp.SUM if mean or reduce_op is None else getattr(ReduceOp, name.upper()) if name else reduce_op
+    dist.all_reduce(tensor, op=op, group=group)
+    if not mean:
+        return tensor
+    size = dist.get_world_size(group)
+    return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
 
 
 def _checked_checkpoint_io(io: CheckpointIO | None) -> DistributedCheckpointIO:

@@ -11,6 +11,7 @@ from titan_strategy.mesh import ParallelDims, TitanMesh
 from titan_strategy.parallelize.activation_checkpoint import apply_ac
 from titan_strategy.parallelize.compile import apply_compile
 from titan_strategy.parallelize.context_parallel import apply_cp, check_cp_plan
+from titan_strategy.parallelize.float8 import apply_float8
 from titan_strategy.parallelize.fsdp import ReshardPolicy, apply_fsdp
 from titan_strategy.parallelize.materialize import materialize
 from titan_strategy.parallelize.tensor_parallel import apply_tp, check_tp_plan
@@ -33,6 +34,8 @@ class ParallelizeConfig:
     async_tp: bool
     compile: bool
     activation_checkpointing: str
+    activation_checkpointing_every: int
+    float8: str
     pipeline: PipelineConfig
 
 
@@ -82,7 +85,8 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
     """Parallelize ``plan.model`` in place (it is on the meta device), then materialize it.
 
     Order matters: the pipeline split first, on the meta model, so each stage keeps the full
-    model's parameter names; TP next, so every later wrapper sees the final parameter placements;
+    model's parameter names; float8 next, since it swaps the linear modules that every later step
+    wraps; TP next, so every later wrapper sees the final parameter placements;
     CP after TP, since ring attention runs on the heads TP leaves each rank; activation
     checkpointing before compile, so compile captures the recomputation too; compile after the
     module structure is final and before FSDP, so FSDP's hooks stay outside the compiled graphs
@@ -102,6 +106,7 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
     reshard = "never" if layout is not None and config.reshard_after_forward == "default" else \
         config.reshard_after_forward
     for part in parts:
+        apply_float8(part, config.float8, plan.float8_skip)
         if dims.tp > 1:
             assert plan.tensor_parallel is not None
             apply_tp(part, mesh["tp"], plan.tensor_parallel, sequence_parallel=config.sequence_parallel,
@@ -109,10 +114,10 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
         if dims.cp > 1:
             assert plan.context_parallel is not None
             apply_cp(part, mesh["cp"], plan.context_parallel)
-        blocks = tuple(block for block in plan.blocks if has_submodule(part, block))
-        apply_ac(part, blocks, config.activation_checkpointing)
+        blocks = {block: index for index, block in enumerate(plan.blocks) if has_submodule(part, block)}
+        apply_ac(part, blocks, config.activation_checkpointing, config.activation_checkpointing_every)
         if config.compile:
-            apply_compile(part, blocks)
+            apply_compile(part, tuple(blocks))
         apply_fsdp(part, _resolve_units(plan, part), dp_mesh, param_dtype=config.param_dtype,
                    reduce_dtype=config.reduce_dtype, reshard_after_forward=reshard)
     # plan.model holds every part's parameters under their full-model names, so initialization

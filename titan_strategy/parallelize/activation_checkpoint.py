@@ -1,35 +1,91 @@
-"""Activation checkpointing: keep each repeated block's input, recompute its activations in backward."""
+"""Activation checkpointing: keep less of each repeated block's activations, recompute the rest in backward.
+
+Modes:
+- ``full``: every block keeps only its input and reruns its whole forward in backward.
+- ``selective_op``: every block keeps the outputs of attention and of every other matmul, the costly ops,
+  and recomputes the cheap rest (norms, RoPE, activations) and the other matmuls.
+- ``selective_layer``: every ``every``-th block is fully checkpointed, the others keep everything.
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-__all__ = ["AC_MODES", "apply_ac"]
+__all__ = ["AC_MODES", "apply_ac", "check_ac"]
 
 log = logging.getLogger(__name__)
 
-AC_MODES = ("none", "full")
+AC_MODES = ("none", "full", "selective_op", "selective_layer")
+
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
+# Attention outputs are always kept. One name per SDPA backend: CPU, flash, memory-efficient, cuDNN.
+_ATTENTION = {getattr(_aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+) if hasattr(_aten, name)}
+# Float8 matmuls count as matmuls when torchao's float8 training is on.
+if hasattr(_aten, "_scaled_mm"):
+    _MATMULS.add(_aten._scaled_mm.default)
 
 
-def apply_ac(model: nn.Module, blocks: tuple[str, ...], mode: str) -> None:
-    """Checkpoint every block's ``forward`` in place.
+def check_ac(mode: str, every: int) -> None:
+    if mode not in AC_MODES:
+        raise ValueError(f"activation_checkpointing={mode!r} must be one of {list(AC_MODES)}.")
+    if every < 1:
+        raise ValueError(f"activation_checkpointing_every={every} must be >= 1 (selective_layer checkpoints "
+                         "every that many-th block).")
+
+
+def apply_ac(model: nn.Module, blocks: dict[str, int], mode: str, every: int = 2) -> None:
+    """Checkpoint the ``forward`` of the blocks in place.
+
+    Args:
+        blocks: the blocks of ``model``, each with its index among all the model's blocks (under
+            pipeline parallelism a stage holds some of them; ``selective_layer`` counts on the whole model,
+            so the same blocks are checkpointed however the model is split).
+        every: ``selective_layer`` checkpoints the blocks whose index + 1 divides by it.
 
     No wrapper module, so parameter names (initialization seeds, checkpoints) stay those of the
     plain model. Hooks on the block (FSDP's all-gather) stay outside the checkpointed region and have
     gathered the weights again by the time backward recomputes it.
     """
+    check_ac(mode, every)
     if mode == "none":
         return
-    for name in blocks:
+    chosen = [name for name, index in blocks.items() if mode != "selective_layer" or (index + 1) % every == 0]
+    context_fn = _keep_attention_and_every_other_matmul if mode == "selective_op" else noop_context_fn
+    for name in chosen:
         block = model.get_submodule(name)
-        block.forward = functools.partial(_checkpointed, block.forward)
-    log.info("Activation checkpointing (%s) on %d blocks", mode, len(blocks))
+        block.forward = functools.partial(_checkpointed, block.forward, context_fn)
+    log.info("Activation checkpointing (%s) on %d of %d blocks", mode, len(chosen), len(blocks))
 
 
-def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+def _checkpointed(forward: Any, context_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _keep_attention_and_every_other_matmul() -> tuple[Any, Any]:
+    """The contexts of one checkpointed call; its forward and its recomputation count matmuls separately.
+
+    Both passes see the same ops in the same order, so the n-th matmul gets the same decision in each.
+    """
+    matmuls_seen = {False: 0, True: 0}  # by ctx.is_recompute
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in _ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        if op in _MATMULS:
+            matmuls_seen[ctx.is_recompute] += 1
+            if matmuls_seen[ctx.is_recompute] % 2 == 1:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)

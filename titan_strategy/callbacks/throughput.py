@@ -1,0 +1,219 @@
+"""Throughput: tokens/s per device, TFLOP/s, MFU, peak memory and the data-loading share of a training run.
+
+Per device means per GPU of the job: the global rate divided by the world size. A rank sees the
+batch of its data-parallel group, which the group's ``world / dp`` ranks (its cp·tp·pp ranks) share,
+so a rank's own rate is its batch tokens over time, divided by ``world / dp``. Lightning's
+``ThroughputMonitor`` multiplies by the world size instead, which overcounts under TP, PP and CP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["PEAK_BF16_TFLOPS", "Throughput", "ThroughputWindow", "peak_tflops_of"]
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 tensor-core peaks (vendor data sheets, no sparsity), by a substring of the device name;
+# the first match wins, so the more specific names come first.
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "GB200": 2500.0,
+    "B200": 2250.0,
+}
+
+
+def peak_tflops_of(device_name: str) -> float | None:
+    return next((peak for name, peak in PEAK_BF16_TFLOPS.items() if name in device_name), None)
+
+
+@dataclass(frozen=True)
+class ThroughputWindow:
+    """What one logging window measured on one rank, and what follows from it.
+
+    Attributes:
+        tokens: tokens of the batches this rank trained on in the window (its data-parallel group's share).
+        seconds: wall time of the window, GPU work included.
+        data_seconds: time spent between a batch's end and the next batch's start (fetching data).
+        ranks_per_batch: ranks that share one data-parallel batch (world size / data-parallel size).
+        flops_per_token: model FLOPs of training on one token (forward + backward, no recomputation).
+        peak_tflops: the device's peak, or None where unknown (no MFU then).
+    """
+
+    tokens: int
+    seconds: float
+    data_seconds: float
+    ranks_per_batch: int
+    flops_per_token: float | None
+    peak_tflops: float | None
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.tokens / self.seconds / self.ranks_per_batch
+
+    @property
+    def tflops_per_device(self) -> float | None:
+        if self.flops_per_token is None:
+            return None
+        return self.tokens_per_s_per_device * self.flops_per_token / 1e12
+
+    @property
+    def mfu(self) -> float | None:
+        tflops = self.tflops_per_device
+        return None if tflops is None or self.peak_tflops is None else tflops / self.peak_tflops
+
+    def metrics(self) -> dict[str, float]:
+        values = {"tokens_per_s_per_device": self.tokens_per_s_per_device, "tflops_per_device": self.tflops_per_device,
+                  "mfu_percent": None if self.mfu is None else 100 * self.mfu,
+                  "data_loading_percent": 100 * self.data_seconds / self.seconds}
+        return {f"throughput/{name}": value for name, value in values.items() if value is not None}
+
+
+class Throughput(Callback):
+    """Measure and log training throughput every ``log_every_n_steps`` training batches.
+
+    The first training batch (compilation, allocator warm-up) and any batch interrupted by
+    validation are left out. The window's ends wait for the GPU (``torch.cuda.synchronize``): that
+    is the only host sync, once per window, and what makes the timing honest.
+
+    Args:
+        log_every_n_steps: training batches per window.
+        flops_per_token: model FLOPs of one training token; None asks the LightningModule's
+            ``flops_per_token(seq_len)`` (LlamaModule has one), else no TFLOP/s or MFU are reported.
+        peak_tflops: the device peak that MFU divides by; None looks the device up in ``PEAK_BF16_TFLOPS``.
+        tokens_fn: ``batch -> (tokens, seq_len)``; None counts the batch's ``input_ids`` (or its first tensor).
+        prog_bar: also show tokens/s and MFU in the progress bar.
+
+    Logged (to the trainer's loggers, at the window's last step): ``throughput/tokens_per_s_per_device``,
+    ``throughput/tflops_per_device``, ``throughput/mfu_percent``, ``throughput/data_loading_percent``, and on
+    CUDA ``memory/peak_allocated_gib`` and ``memory/peak_reserved_gib`` over the window.
+    """
+
+    def __init__(self, log_every_n_steps: int = 10, flops_per_token: float | None = None,
+                 peak_tflops: float | None = None, tokens_fn: Callable[[Any], tuple[int, int]] | None = None,
+                 prog_bar: bool = True) -> None:
+        if log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1.")
+        if peak_tflops is not None and peak_tflops <= 0:
+            raise ValueError(f"peak_tflops={peak_tflops} must be > 0 (the device's dense bf16 peak in TFLOP/s).")
+        self.log_every_n_steps = log_every_n_steps
+        self.flops_per_token = flops_per_token
+        self.peak_tflops = peak_tflops
+        self.tokens_fn = tokens_fn or _count_input_ids
+        self.prog_bar = prog_bar
+        self.windows: list[ThroughputWindow] = []
+        self._start: float | None = None
+        self._last_end: float | None = None
+        self._batches = self._tokens = 0
+        self._data_seconds = 0.0
+        self._seq_len = 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._start is not None and self._last_end is not None:
+            self._data_seconds += now - self._last_end
+        tokens, self._seq_len = self.tokens_fn(batch)
+        self._tokens += tokens
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._start is None:
+            self._restart(pl_module.device)
+            return
+        self._batches += 1
+        if self._batches < self.log_every_n_steps:
+            self._last_end = time.perf_counter()
+            return
+        _synchronize(pl_module.device)
+        window = ThroughputWindow(
+            tokens=self._tokens, seconds=time.perf_counter() - self._start, data_seconds=self._data_seconds,
+            ranks_per_batch=_ranks_per_batch(trainer), flops_per_token=self._flops_per_token(pl_module),
+            peak_tflops=self._peak(pl_module.device),
+        )
+        self.windows.append(window)
+        self._log(trainer, pl_module, {**window.metrics(), **_memory(pl_module.device)})
+        self._restart(pl_module.device)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = None  # the window in progress would count validation as training time
+
+    def _restart(self, device: torch.device) -> None:
+        _synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self._batches = self._tokens = 0
+        self._data_seconds = 0.0
+        self._start = self._last_end = time.perf_counter()
+
+    def _flops_per_token(self, pl_module: pl.LightningModule) -> float | None:
+        if self.flops_per_token is not None:
+            return self.flops_per_token
+        flops = getattr(pl_module, "flops_per_token", None)
+        return float(flops(self._seq_len)) if callable(flops) else None
+
+    def _peak(self, device: torch.device) -> float | None:
+        if self.peak_tflops is not None:
+            return self.peak_tflops
+        return peak_tflops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
+        # Straight to the loggers: self.log would publish them only on the trainer's own logging steps.
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        if self.prog_bar:
+            shown = {"tok/s": metrics["throughput/tokens_per_s_per_device"]}
+            if "throughput/mfu_percent" in metrics:
+                shown["mfu%"] = metrics["throughput/mfu_percent"]
+            for name, value in shown.items():
+                pl_module.log(name, round(value, 1), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+
+def _count_input_ids(batch: Any) -> tuple[int, int]:
+    """(tokens, sequence length) of the batch's ``input_ids``, or of its first tensor."""
+    tensor = _first_tensor(batch["input_ids"] if isinstance(batch, dict) and "input_ids" in batch else batch)
+    if tensor is None:
+        raise ValueError(f"Throughput found no tensor in the batch ({type(batch).__name__}) to count tokens in; "
+                         "pass Throughput(tokens_fn=lambda batch: (tokens, seq_len)).")
+    return tensor.numel(), tensor.shape[-1] if tensor.dim() else 1
+
+
+def _first_tensor(value: Any) -> Tensor | None:
+    if isinstance(value, Tensor):
+        return value
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((found for found in map(_first_tensor, items) if found is not None), None)
+
+
+def _ranks_per_batch(trainer: pl.Trainer) -> int:
+    """Ranks that see the same batch: the world over the data-parallel degree the sampler splits by."""
+    strategy = trainer.strategy
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    return max(trainer.world_size // kwargs.get("num_replicas", trainer.world_size), 1)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _memory(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}

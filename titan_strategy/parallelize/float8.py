@@ -1,0 +1,79 @@
+"""Float8 training (torchao) of a model's linear layers: matmuls in float8 with bf16 master weights kept.
+
+Recipes:
+- ``tensorwise``: one scale per tensor. FSDP casts the weights to float8 *before* its all-gather
+  (half the bytes of bf16), and their scales are computed once per step, for all weights together,
+  right after the optimizer changed them.
+- ``rowwise``: one scale per row, more accurate for outliers and slower; weights are all-gathered
+  in bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+__all__ = ["FLOAT8_RECIPES", "apply_float8", "check_float8_device", "precompute_float8_scales"]
+
+log = logging.getLogger(__name__)
+
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
+# float8 tensor cores arrived with Ada/Hopper (SM 8.9).
+_MIN_CAPABILITY = (8, 9)
+# torch's float8 matmul needs both dims of every operand divisible by 16.
+_ALIGNMENT = 16
+
+
+def check_float8_device(recipe: str, device: torch.device) -> None:
+    """Refuse float8 where it cannot run: before the process builds anything."""
+    if recipe == "none":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"float8={recipe!r} needs an NVIDIA GPU of compute capability >= 8.9 (H100, H200, L40, "
+                         f"B200...), but the run is on {device.type}; use float8='none'.")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < _MIN_CAPABILITY:
+        raise ValueError(f"float8={recipe!r} needs compute capability >= 8.9, but {torch.cuda.get_device_name(device)} "
+                         f"has {capability[0]}.{capability[1]}; use float8='none'.")
+
+
+def apply_float8(model: nn.Module, recipe: str, skip: tuple[str, ...]) -> int:
+    """Swap the eligible ``nn.Linear`` layers of ``model`` for torchao's ``Float8Linear``, in place.
+
+    Eligible: not named in ``skip`` (the output projection: its logits need the precision), and with
+    both dims divisible by 16. Parameter names do not change, so checkpoints stay interchangeable
+    with bf16 runs.
+
+    Returns:
+        How many layers were converted.
+    """
+    if recipe == "none":
+        return 0
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if recipe == "tensorwise":  # FSDP wraps every model, so its all-gather always applies
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    converted = []
+
+    def eligible(module: nn.Module, name: str) -> bool:
+        ok = (isinstance(module, nn.Linear) and name not in skip and module.in_features % _ALIGNMENT == 0
+              and module.out_features % _ALIGNMENT == 0)
+        if ok:
+            converted.append(name)
+        return ok
+
+    convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+    log.info("Float8 (%s) on %d linear layers%s", recipe, len(converted),
+             ", float8 all-gather" if config.enable_fsdp_float8_all_gather else "")
+    return len(converted)
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After each optimizer step under tensorwise float8: every weight's scale for the next all-gather, at once."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
