@@ -137,6 +137,13 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
         if step == row["warmup"]:
             torch.cuda.synchronize()
             start = time.perf_counter()
+            if row["profile"]:
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                profiler.start()
+        if row["profile"] and step == row["warmup"] + 3:
+            torch.cuda.synchronize()
+            profiler.stop()
+            print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
         done = step
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -197,14 +204,16 @@ def run_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    common = {"seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup}
+    common = {"seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "profile": args.profile}
     if args.matrix is None:
         shape = {"flavor": args.flavor, "n_layers": args.n_layers, "batch_size": args.batch_size}
         return [{**shape, **common, "compile": args.compile, "compile_loss": args.compile_loss, "ac": args.activation_checkpointing,
                  "float8": args.float8, "reference": args.reference}]
+    chosen = range(len(MATRICES[args.matrix])) if args.rows is None else [int(i) for i in args.rows.split(",")]
     return [{**SHAPES[args.matrix], **common, "compile": compile, "compile_loss": compile_loss, "ac": ac,
              "float8": float8, "reference": reference}
-            for compile, compile_loss, ac, float8, reference in MATRICES[args.matrix]]
+            for index, (compile, compile_loss, ac, float8, reference) in enumerate(MATRICES[args.matrix])
+            if index in chosen]
 
 
 def _table(results: list[dict[str, Any]]) -> str:
@@ -232,6 +241,9 @@ def _commit() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--matrix", choices=sorted(MATRICES), help="run every row of a matrix")
+    parser.add_argument("--rows", help="only these rows of the matrix, by index: 0,3")
+    parser.add_argument("--profile", action="store_true", help="print the CUDA kernels that take the time in 3 "
+                        "steps of the plain loop (those steps' timing then includes the profiler)")
     parser.add_argument("--flavor", default="1B")
     parser.add_argument("--n-layers", type=int, help="override the flavor's number of blocks")
     parser.add_argument("--batch-size", type=int, default=2)
@@ -258,6 +270,8 @@ def main() -> None:
         if done.returncode or not found:
             print(done.stdout[-3000:], done.stderr[-6000:], file=sys.stderr)
             raise SystemExit(f"row {row} failed with exit code {done.returncode}")
+        if args.profile:
+            print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("ROW ")))
         results.append(json.loads(found[0]))
         print(json.dumps(results[-1]), flush=True)
     table = _table(results)

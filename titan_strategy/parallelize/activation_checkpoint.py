@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["AC_MODES", "apply_ac", "check_ac"]
 
@@ -61,14 +61,16 @@ def apply_ac(model: nn.Module, blocks: dict[str, int], mode: str, every: int = 2
     if mode == "none":
         return
     chosen = [name for name, index in blocks.items() if mode != "selective_layer" or (index + 1) % every == 0]
-    context_fn = _keep_attention_and_every_other_matmul if mode == "selective_op" else noop_context_fn
+    context_fn = _keep_attention_and_every_other_matmul if mode == "selective_op" else None
     for name in chosen:
         block = model.get_submodule(name)
         block.forward = functools.partial(_checkpointed, block.forward, context_fn)
     log.info("Activation checkpointing (%s) on %d of %d blocks", mode, len(chosen), len(blocks))
 
 
-def _checkpointed(forward: Any, context_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+def _checkpointed(forward: Any, context_fn: Callable[[], Any] | None, *args: Any, **kwargs: Any) -> Any:
+    if context_fn is None:  # torch 2.11's compile refuses checkpoint(context_fn=noop_context_fn) inside a block
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
