@@ -684,7 +684,7 @@ def _all_reduce(tensor: Tensor, group: dist.ProcessGroup | None, reduce_op: Redu
     On NCCL that barrier blocks the host until the GPU catches up: every ``self.log(..., sync_dist=True)``
     would stall the step. Means are sums divided by the group size (gloo has no AVG).
     """
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if not dist.is_initialized():
         return tensor
     name = reduce_op.lower() if isinstance(reduce_op, str) else None
     mean = name in ("mean", "avg")

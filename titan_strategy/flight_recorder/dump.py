@@ -168,10 +168,24 @@ def main_thread_stack() -> list[str]:
     return python_stack(sys._current_frames().get(threading.main_thread().ident))
 
 
+def _recorded_trace() -> dict[str, Any]:
+    """torch's recorded entries of every backend, as one JSON trace."""
+    c10d_ext = torch._C._distributed_c10d
+    trace = json.loads(c10d_ext._dump_fr_trace_json())
+    # torch 2.11 keeps NCCL's entries in a recorder of their own (2.13 has one for all backends).
+    nccl_dump = getattr(c10d_ext, "_dump_nccl_trace_json", None)
+    if nccl_dump is not None and dist.is_nccl_available():
+        nccl = json.loads(nccl_dump())
+        merged = [*trace.get("entries", []), *nccl.get("entries", [])]
+        trace["entries"] = sorted(merged, key=lambda entry: entry.get("time_created_ns", 0))
+        trace["pg_config"] = {**(nccl.get("pg_config") or {}), **(trace.get("pg_config") or {})}
+    return trace
+
+
 def write_dump(dump_dir: Path, reason: str, metadata: dict[str, Any], p2p: GlooP2PLog | None,
                stack: list[str] | None = None) -> Path:
     """Write this rank's trace to ``dump_dir/rank_N.json`` (via a temporary name, so readers never see half)."""
-    trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json())
+    trace = _recorded_trace()
     known = trace.get("pg_config") or {}
     trace["pg_config"] = {**{k: v for k, v in known.items() if k}, **process_groups()}
     if p2p is not None:
