@@ -246,3 +246,21 @@ def test_titan_fr_explains_an_empty_folder(tmp_path: Path, capsys: pytest.Captur
 def test_bad_settings_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         FlightRecorder(**kwargs)
+
+
+def test_a_separate_nccl_recorder_is_merged_in_time_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11 records NCCL ops apart from the other backends; a dump must hold both."""
+    from titan_strategy.flight_recorder import dump
+
+    ops = torch._C._distributed_c10d
+    gloo = {"entries": [{"record_id": 0, "time_created_ns": 20, "profiling_name": "gloo:barrier"}], "pg_config": {}}
+    nccl = {"entries": [{"record_id": 0, "time_created_ns": 10, "profiling_name": "nccl:all_reduce"},
+                        {"record_id": 1, "time_created_ns": 30, "profiling_name": "nccl:all_gather"}],
+            "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0]"}}}
+    monkeypatch.setattr(ops, "_dump_fr_trace_json", lambda: json.dumps(gloo))
+    monkeypatch.setattr(ops, "_dump_nccl_trace_json", lambda: json.dumps(nccl), raising=False)
+    monkeypatch.setattr(dump.dist, "is_nccl_available", lambda: True)
+    trace = dump._recorded_trace()
+    assert [entry["profiling_name"] for entry in trace["entries"]] == ["nccl:all_reduce", "gloo:barrier",
+                                                                         "nccl:all_gather"]
+    assert trace["pg_config"] == nccl["pg_config"]

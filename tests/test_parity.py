@@ -105,6 +105,8 @@ def test_gradient_accumulation_matches_a_twice_larger_batch(single_process: dict
     records = launch(2, spec, tmp_path, test_env)
     _assert_close_per_step(_series(records[0], "train_loss", 2), _series(single_process, "train_loss"))
     _assert_close_per_step(_series(records[0], "grad_norm", 2), _series(single_process, "grad_norm"))
+    # Each window's first forward ran with the previous window's gradients already released.
+    assert records[0]["grads_alive_after_forward"] == [False] * STEPS
 
 
 def test_bf16_mixed_trains_close_to_fp32(single_process: dict, tmp_path: Path, test_env: dict[str, str]) -> None:

@@ -180,6 +180,7 @@ class Recorder(Callback):
         self.val_losses: list[float] = []
         self.hook_calls = dict.fromkeys(COUNTED_HOOKS, 0)
         self.training_mode_after_validation: list[bool] = []
+        self.grads_alive_after_forward: list[bool] = []
         self.save_at = save_at
         self.save_path = save_path
         for hook in COUNTED_HOOKS:
@@ -204,6 +205,10 @@ class Recorder(Callback):
         self.steps.append(record)
         if self.save_at is not None and trainer.global_step == self.save_at:
             trainer.save_checkpoint(self.save_path)
+
+    def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        # Lightning zeroes after the window's first forward: were the last window's gradients still held?
+        self.grads_alive_after_forward.append(any(p.grad is not None for p in pl_module.parameters()))
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -266,6 +271,7 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
         trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.get("resume_from"))
     result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
               "hook_calls": recorder.hook_calls, "training_mode_after_validation": recorder.training_mode_after_validation,
+              "grads_alive_after_forward": recorder.grads_alive_after_forward,
               "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step,
               "batch_rank": trainer.strategy.distributed_sampler_kwargs["rank"] if trainer.world_size > 1 else 0,
               "removals": removal_log.removals, "callbacks": [type(c).__name__ for c in trainer.callbacks]}

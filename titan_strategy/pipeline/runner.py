@@ -158,15 +158,13 @@ class PipelineRunner:
 
     # ---- steps ------------------------------------------------------------------------------------
 
-    def train_step(self, batch: Any, *, starts_accumulation: bool, accumulate: int) -> Tensor:
+    def train_step(self, batch: Any, *, accumulate: int) -> Tensor:
         """Forward and backward of one Lightning batch; returns its mean loss, equal on every pp rank.
 
         Gradients come out as ``accumulate`` Lightning batches of the unpipelined model would make
-        them: each microbatch loss is divided by (microbatches x accumulate).
+        them: each microbatch loss is divided by (microbatches x accumulate). The strategy has
+        released the last window's gradients before the window's first batch.
         """
-        if starts_accumulation:  # Lightning zeroes only after training_step: drop the last window's gradients now
-            for param in self._parameters:
-                param.grad = None
         self._set_view_mode(training=True)
         inputs, target = self._split(batch)
         self._loss_scale = 1.0 / (self.layout.microbatches * accumulate)
