@@ -1,6 +1,9 @@
-"""``titan``: LightningCLI over LlamaModule + TextDataModule (``titan fit --config configs/debug.yaml``)."""
+"""``titan``: LightningCLI over LlamaModule + TextDataModule (``titan fit --config configs/debug.yaml``), and
+``titan plan`` (the capacity planner, ``llama_module/plan_cli.py``)."""
 
 from __future__ import annotations
+
+import sys
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -18,6 +21,10 @@ class TitanCLI(LightningCLI):
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["plan"]:  # `titan plan ...`: the capacity planner, not a LightningCLI subcommand
+        from llama_module.plan_cli import main as plan
+
+        raise SystemExit(plan(sys.argv[2:]))
     TitanCLI(LlamaModule, TextDataModule, seed_everything_default=0)
 
 

@@ -1,0 +1,261 @@
+"""Per-rank memory and step time of one 4-D layout, from the model's shape alone.
+
+The activation sizes are counts of the tensors a Llama-style block keeps for backward, in bf16,
+calibrated on the benchmark GPU's measured peaks (benchmarks/RESULTS.md, issue #8 section).
+Step time is model FLOPs over an achievable MFU, plus the communication that does not hide behind
+compute, stretched by the pipeline bubble. Every constant is named and says where it comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titan_strategy.planner.hardware import GPU
+
+__all__ = ["Job", "Layout", "ModelShape", "Estimate", "estimate", "SCHEDULES", "AC_MODES"]
+
+GIB = 2**30
+SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")
+AC_MODES = ("none", "selective_op", "selective_layer", "full")
+_BF16, _FP32 = 2, 4
+# Measured on one H200 (RESULTS.md #8): 56.4% MFU for the 1B shape, 55.2% for 8B width, compiled.
+ACHIEVABLE_MFU = 0.55
+# Smaller matmuls reach less of the peak. The efficiency of a microbatch's matmuls is modelled as
+# w / (w + MATMUL_HALF_WORK) in units of (tokens x dim / tp) / 4096, normalized to the calibration runs
+# (16,384 tokens x 2048 and 8,192 tokens x 4096: 8,192 units).
+MATMUL_HALF_WORK = 1024
+CALIBRATION_WORK = 8192
+# Each microbatch crossing a stage boundary pays a send, a receive and the schedule's bookkeeping.
+PP_MICROBATCH_OVERHEAD_S = 1e-3
+# Tensorwise float8 made the 8B-width shape's step 8.0% faster (RESULTS.md #8).
+FLOAT8_SPEEDUP = 1.08
+# What a ring collective reaches of the link's bandwidth, and its latency per ring step.
+COLLECTIVE_EFFICIENCY = 0.7
+RING_STEP_LATENCY_S = 8e-6
+# CP's ring passes key/value shards while attention computes; this share stays exposed.
+CP_EXPOSED = 0.3
+# Allocator fragmentation (reserved / allocated was 1.07-1.18 on the GPU) and the CUDA context + NCCL buffers.
+FRAGMENTATION = 1.10
+RUNTIME_GIB = 2.0
+# Extra compute of recomputation, as a share of the step without AC: measured on the 1B shape (RESULTS.md #8:
+# selective_op kept 91.6% of the speed, full 83.7%).
+RECOMPUTE = {"none": 0.0, "selective_op": 0.09, "selective_layer": 0.10, "full": 0.19}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama-style decoder: GQA attention, SwiGLU feed-forward, untied output projection."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+
+    @property
+    def kv_dim(self) -> int:
+        return self.dim // self.n_heads * self.n_kv_heads
+
+    @property
+    def block_params(self) -> int:
+        return 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+
+    @property
+    def params(self) -> int:
+        return self.n_layers * self.block_params + 2 * self.vocab_size * self.dim + self.dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of training one token: 6 per non-embedding parameter plus attention (full, not causal-halved)."""
+        return 6 * (self.params - self.vocab_size * self.dim) + 12 * self.n_layers * self.dim * seq_len
+
+    def activation_bytes_per_token(self, ac: str) -> float:
+        """What one block keeps for backward per token, in bf16, by AC mode.
+
+        No AC: norm inputs and outputs, q/k/v before and after RoPE, attention output, gate, up and their
+        product (6 x dim + 2 x kv_dim + 3 x ffn_dim values). selective_op: attention's output and every
+        other matmul's (3 x dim + kv_dim + 1.5 x ffn_dim). full: the block's input. selective_layer (every
+        2nd block, the strategy's default): the mean of none and full.
+        """
+        d, kv, f = self.dim, self.kv_dim, self.ffn_dim
+        values = {"none": 6 * d + 2 * kv + 3 * f, "selective_op": 3 * d + kv + 1.5 * f, "full": d}
+        values["selective_layer"] = (values["none"] + values["full"]) / 2
+        return _BF16 * values[ac]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the user asks for: GPUs, their kind, and the batch."""
+
+    gpus: int
+    gpus_per_node: int
+    gpu: GPU
+    seq_len: int
+    global_batch_tokens: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    cp: int
+    pp: int
+    schedule: str | None
+    microbatches: int
+    stages_per_rank: int
+    ac: str
+    float8: bool
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank memory (GiB) and step time (s) of a layout, by part.
+
+    Gradients and activations do not peak together: the strategy releases the last step's gradients
+    before the forward, and backward frees activations as it makes gradients. So the peak holds the
+    larger of the two working sets, besides the weights and optimizer state.
+    """
+
+    memory: dict[str, float] = field(default_factory=dict)
+    time: dict[str, float] = field(default_factory=dict)
+    tokens_per_s_per_gpu: float = 0.0
+    checkpoint_gib_per_rank: float = 0.0
+
+    @property
+    def peak_allocated_gib(self) -> float:
+        m = self.memory
+        working_set = max(m["activations"] + m["logits_loss"], m["gradients"])
+        return m["parameters"] + m["optimizer"] + m["gathered_weights"] + working_set
+
+    @property
+    def memory_gib(self) -> float:
+        """What must fit on the device: the peak, plus fragmentation and the runtime's own memory."""
+        return self.peak_allocated_gib * FRAGMENTATION + RUNTIME_GIB
+
+    @property
+    def step_s(self) -> float:
+        return self.time["step"]
+
+
+def _in_flight_microbatches(layout: Layout) -> float:
+    """Microbatches whose activations the busiest pipeline rank holds at once, in units of its layers."""
+    pp, v, n = layout.pp, layout.stages_per_rank, layout.microbatches
+    if pp == 1:
+        return 1.0
+    if layout.schedule in ("GPipe", "LoopedBFS"):
+        return float(n)  # every forward before any backward
+    if layout.schedule in ("1F1B", "ZBVZeroBubble", "DualPipeV"):
+        return float(min(n, pp))
+    # Interleaved: rank 0 warms up (v - 1) * pp + 2 * (pp - 1) + 1 chunks of 1/v of its layers each.
+    return min(n * v, (v - 1) * pp + 2 * (pp - 1) + 1) / v
+
+
+def _bubble(layout: Layout) -> float:
+    pp, v, n = layout.pp, layout.stages_per_rank, layout.microbatches
+    if pp == 1:
+        return 0.0
+    if layout.schedule in ("GPipe", "1F1B"):
+        return (pp - 1) / (n + pp - 1)
+    if layout.schedule in ("Interleaved1F1B", "LoopedBFS"):
+        return (pp - 1) / (v * n + pp - 1)
+    # Zero-bubble schedules fill most of the bubble with weight-gradient work.
+    return (pp - 1) / (3 * v * n + pp - 1)
+
+
+def _partly_hidden(communication: float, compute: float) -> float:
+    """What FSDP's prefetched collectives leave exposed: little while they are short against the compute
+    they overlap, half of them once they are as long (they also slow the compute they share the GPU with).
+
+    Checked against the TorchTitan paper's 8B on 128 H100s, FSDP, bf16, selective AC: 5,762 tokens/s/GPU
+    published, 5,709 estimated (tests/test_planner.py).
+    """
+    return communication * communication / (communication + compute) if communication else 0.0
+
+
+def _matmul_efficiency(work: float) -> float:
+    def raw(w: float) -> float:
+        return w / (w + MATMUL_HALF_WORK)
+
+    return min(raw(work) / raw(CALIBRATION_WORK), 1.0)
+
+
+def _ring_time(bytes_per_rank: float, ranks: int, bandwidth_gbps: float, calls: int) -> float:
+    if ranks == 1:
+        return 0.0
+    transfer = bytes_per_rank * (ranks - 1) / ranks / (bandwidth_gbps * 1e9 * COLLECTIVE_EFFICIENCY)
+    return transfer + calls * (ranks - 1) * RING_STEP_LATENCY_S
+
+
+def estimate(shape: ModelShape, layout: Layout, job: Job) -> Estimate:
+    """Per-rank memory and step time of ``layout`` for ``job``; the layout's degrees must already fit."""
+    gpu, seq = job.gpu, job.seq_len
+    layers = shape.n_layers / layout.pp
+    embed = shape.vocab_size * shape.dim
+    # The busiest rank: with PP, the last stage (its layers, the output projection and the loss).
+    rank_params = (layers * shape.block_params + (2 * embed if layout.pp == 1 else embed)) / layout.tp
+    shards = layout.dp_shard * layout.cp
+    sequences = job.global_batch_tokens / seq / layout.dp  # per data-parallel rank and step
+    microbatch_tokens = sequences / layout.microbatches * seq / layout.cp  # this rank's tokens in one microbatch
+    unit = shape.block_params / layout.tp
+    gather = unit * _BF16 * 2 if layout.pp == 1 else rank_params * _BF16  # under PP FSDP keeps a stage gathered
+    if layout.float8:
+        gather /= 2
+    activations = microbatch_tokens / layout.tp * layers * _in_flight_microbatches(layout) * \
+        shape.activation_bytes_per_token(layout.ac)
+    if layout.ac == "full":  # backward recomputes one block's whole activations at a time
+        activations += microbatch_tokens / layout.tp * shape.activation_bytes_per_token("none")
+    logits = 2 * microbatch_tokens * shape.vocab_size / layout.tp * _BF16  # logits and their gradient
+    memory = {
+        "parameters": rank_params / shards * _FP32 / GIB,
+        "gradients": rank_params / shards * _FP32 / GIB,
+        "optimizer": rank_params / shards * 2 * _FP32 / GIB,
+        "gathered_weights": gather / GIB,
+        "activations": activations / GIB,
+        "logits_loss": logits / GIB,
+    }
+    tokens_per_gpu = job.global_batch_tokens / job.gpus
+    flops = tokens_per_gpu * shape.flops_per_token(seq) * (1 + RECOMPUTE[layout.ac])
+    mfu = ACHIEVABLE_MFU * _matmul_efficiency(microbatch_tokens * shape.dim / layout.tp / 4096)
+    compute = flops / (mfu * gpu.peak_bf16_tflops * 1e12) / (FLOAT8_SPEEDUP if layout.float8 else 1.0)
+    # Bandwidth of a group: ranks are placed tp innermost, then cp, dp_shard, dp_replicate, pp outermost.
+    span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "fsdp": layout.tp * layout.cp * layout.dp_shard,
+            "dp_replicate": layout.tp * layout.cp * layout.dp, "pp": layout.world}
+
+    def link(group: str) -> float:
+        return gpu.intra_node_gbps if span[group] <= job.gpus_per_node else gpu.inter_node_gbps
+
+    units = layers + (1 if layout.pp > 1 else 2)
+    # FSDP: all-gather forward and backward (bf16; float8 weights under tensorwise) and a fp32 reduce-scatter.
+    gathered_bytes = rank_params * (1 if layout.float8 else _BF16) * (1 if layout.pp > 1 else 2)
+    fsdp = _ring_time(gathered_bytes + rank_params * _FP32, shards, link("fsdp"), calls=3 * int(units))
+    hsdp = _ring_time(2 * rank_params / shards * _FP32, layout.dp_replicate, link("dp_replicate"), calls=int(units))
+    # TP with SP: per block 2 all-gathers and 2 reduce-scatters of the residual forward, as many backward,
+    # and the forward's again where AC recomputes it.
+    tp_calls = 8 if layout.ac == "none" else 12
+    tp_bytes = tp_calls * layers * sequences * seq / layout.cp * shape.dim * _BF16
+    tp = _ring_time(tp_bytes, layout.tp, link("tp"), calls=int(tp_calls * layers * layout.microbatches))
+    # CP: the key/value shards go round the ring once forward and (with their gradients) twice backward.
+    cp_bytes = 3 * 2 * layers * sequences * seq / layout.cp * shape.kv_dim * _BF16 / layout.tp
+    cp = _ring_time(cp_bytes * layout.cp, layout.cp, link("cp"), calls=int(3 * layers * layout.microbatches))
+    # PP: every microbatch crosses each stage boundary forward and backward, with its activation.
+    boundary_bytes = microbatch_tokens / layout.tp * shape.dim * _BF16
+    pp = 0.0 if layout.pp == 1 else 2 * layout.microbatches * layout.stages_per_rank * (
+        PP_MICROBATCH_OVERHEAD_S + boundary_bytes / (link("pp") * 1e9 * COLLECTIVE_EFFICIENCY))
+    exposed = {"fsdp": _partly_hidden(fsdp, compute), "hsdp": _partly_hidden(hsdp, compute), "tp": tp,
+               "cp": CP_EXPOSED * cp, "pp": pp}
+    busy = compute + sum(exposed.values())
+    step = busy / (1 - _bubble(layout))
+    time = {"compute": compute, **{f"{name}_exposed": value for name, value in exposed.items()},
+            "bubble": step - busy, "step": step}
+    checkpoint = rank_params / shards * 3 * _FP32 / GIB  # weights + AdamW moments, fp32
+    return Estimate(memory=memory, time=time, tokens_per_s_per_gpu=tokens_per_gpu / step,
+                    checkpoint_gib_per_rank=checkpoint)
