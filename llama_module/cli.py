@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -18,6 +19,21 @@ class TitanCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The model's vocabulary follows the tokenizer unless the YAML sets model.vocab_size.
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.add_argument("--plan_check", type=Optional[str], default=None,
+                            help="a GPU kind (H100, H200, ...): before anything starts, check that the layout runs "
+                                 "and fits there (titan plan --check)")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.get("plan_check"):
+            from llama_module.plan_cli import check_training_config
+            from titan_strategy.planner import PlanError, get_gpu
+
+            try:
+                plan, _ = check_training_config(config.as_dict(), get_gpu(config.plan_check))
+            except PlanError as error:
+                raise SystemExit(f"titan fit: --plan_check {config.plan_check}: {error}") from None
+            print(f"plan check: fits on {config.plan_check}, {plan.estimate.memory_gib:.1f} GiB per GPU estimated")
 
 
 def main() -> None:

@@ -15,11 +15,11 @@ import yaml
 
 from llama_module.args import LlamaConfig, get_flavor
 from titan_strategy.planner.estimate import Job, Layout, ModelShape
-from titan_strategy.planner.hardware import GPUS, get_gpu
+from titan_strategy.planner.hardware import GPU, GPUS, get_gpu
 from titan_strategy.planner.report import format_plans, save_memory_png
-from titan_strategy.planner.search import PlanError, check_layout, describe, plan_layouts
+from titan_strategy.planner.search import Plan, PlanError, check_layout, describe, plan_layouts
 
-__all__ = ["main", "model_shape"]
+__all__ = ["check_training_config", "main", "model_shape"]
 
 
 def model_shape(config: LlamaConfig) -> ModelShape:
@@ -33,8 +33,9 @@ def _config_of(model: Any) -> LlamaConfig:
 
 def _layout_of_config(config: dict[str, Any], gpus: int) -> tuple[Layout, int, int]:
     """The layout a training YAML asks for, its sequence length and its global batch in tokens."""
-    trainer = config.get("trainer", {})
-    strategy = (trainer.get("strategy") or {}).get("init_args", {}) if isinstance(trainer.get("strategy"), dict) else {}
+    trainer = config.get("trainer") or {}
+    strategy = (trainer.get("strategy") or {}).get("init_args") or {} if isinstance(trainer.get("strategy"), dict) \
+        else {}
     degrees = {"dp_replicate": strategy.get("data_parallel_replicate_size", 1),
                "tp": strategy.get("tensor_parallel_size", 1), "cp": strategy.get("context_parallel_size", 1),
                "pp": strategy.get("pipeline_parallel_size", 1)}
@@ -47,25 +48,27 @@ def _layout_of_config(config: dict[str, Any], gpus: int) -> tuple[Layout, int, i
     layout = Layout(dp_shard=dp_shard, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
                     ac=strategy.get("activation_checkpointing", "none"),
                     float8=strategy.get("float8", "none") != "none", **degrees)
-    data = config.get("data", {})
+    data = config.get("data") or {}
     seq_len, batch_size = data.get("seq_len", 2048), data.get("batch_size", 8)
     return layout, seq_len, seq_len * batch_size * layout.dp_replicate * layout.dp_shard
 
 
-def _check(args: argparse.Namespace) -> int:
-    config = yaml.safe_load(Path(args.check).read_text())
-    trainer = config.get("trainer", {})
+def check_training_config(config: dict[str, Any], gpu: GPU) -> tuple[Plan, Job]:
+    """Check a training config (as ``titan fit`` reads it) against ``gpu``: ``PlanError`` names what does not fit."""
+    trainer = config.get("trainer") or {}
     per_node = trainer.get("devices", 1)
     if not isinstance(per_node, int):
-        raise PlanError(f"trainer.devices={per_node!r} in {args.check}: the check needs a number of devices.")
-    gpus = per_node * trainer.get("num_nodes", 1)
-    model = config.get("model", {}).get("model", "debug")
-    shape = model_shape(_config_of(model))
+        raise PlanError(f"trainer.devices={per_node!r}: the check needs a number of devices.")
+    gpus = per_node * (trainer.get("num_nodes") or 1)
+    model = (config.get("model") or {}).get("model", "debug")
     layout, seq_len, batch_tokens = _layout_of_config(config, gpus)
-    job = Job(gpus=gpus, gpus_per_node=per_node, gpu=get_gpu(args.gpu, args.gpu_memory), seq_len=seq_len,
-              global_batch_tokens=batch_tokens)
-    plan = check_layout(shape, layout, job)
-    print(f"{args.check}: fits. {describe(layout)}")
+    job = Job(gpus=gpus, gpus_per_node=per_node, gpu=gpu, seq_len=seq_len, global_batch_tokens=batch_tokens)
+    return check_layout(model_shape(_config_of(model)), layout, job), job
+
+
+def _check(args: argparse.Namespace) -> int:
+    plan, job = check_training_config(yaml.safe_load(Path(args.check).read_text()), get_gpu(args.gpu, args.gpu_memory))
+    print(f"{args.check}: fits. {describe(plan.layout)}")
     print(format_plans([plan], job, args.save_window_s))
     return 0
 

@@ -85,3 +85,16 @@ def test_cli_check_refuses_a_config_that_does_not_divide(tmp_path: Path, capsys:
     assert "tp=3 does not divide n_heads=32" in error and "nearest layout that fits" in error
     assert titan_plan(["--gpus", "12", "--gpus-per-node", "8"]) == 1
     assert "gpus=12 is not a multiple of gpus_per_node=8" in capsys.readouterr().err
+
+
+def test_titan_fit_plan_check_stops_a_run_that_cannot_fit_before_anything_starts(tmp_path: Path,
+                                                                                capsys: pytest.CaptureFixture) -> None:
+    from llama_module.cli import TitanCLI
+    from llama_module.data import TextDataModule
+    from llama_module.module import LlamaModule
+
+    with pytest.raises(SystemExit, match=r"--plan_check H100: The layout cannot run: it needs \d+\.\d GiB per GPU"):
+        TitanCLI(LlamaModule, TextDataModule, args=["fit", "--config", str(REPO / "configs" / "llama3_8b_fsdp.yaml"),
+                                                    "--model.model=405B", "--plan_check=H100",
+                                                    f"--trainer.default_root_dir={tmp_path}"])
+    assert list(tmp_path.iterdir()) == []
