@@ -35,6 +35,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch.autograd import DeviceType
 from torch.utils.data import DataLoader, Dataset
 
 from llama_module import LlamaModule
@@ -69,6 +70,45 @@ class RandomTokens(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         tokens = torch.randint(0, self.vocab, (self.seq_len + 1,), generator=torch.Generator().manual_seed(index))
         return {"input_ids": tokens[:-1], "labels": tokens[1:]}
+
+
+class KernelProfile:
+    """Profiles the ``steps`` optimizer steps after step ``after``, then prints the kernels that took the GPU's
+    time, the host syncs, and how busy the GPU was (the profiler itself slows those steps' wall time)."""
+
+    def __init__(self, name: str, after: int, steps: int = 3) -> None:
+        self.name, self.after, self.steps = name, after, steps
+        self.profiler: torch.profiler.profile | None = None
+        self.start = 0.0
+
+    def step_done(self, step: int) -> None:
+        if step == self.after:
+            torch.cuda.synchronize()
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                               torch.profiler.ProfilerActivity.CUDA])
+            self.profiler.start()
+            self.start = time.perf_counter()
+        elif self.profiler is not None and step == self.after + self.steps:
+            torch.cuda.synchronize()
+            wall_ms = 1e3 * (time.perf_counter() - self.start)
+            self.profiler.stop()
+            events = self.profiler.key_averages()
+            busy_ms = sum(event.self_device_time_total for event in events if event.device_type == DeviceType.CUDA) / 1e3
+            syncs = {event.key: event.count for event in events
+                     if event.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                      "cudaEventSynchronize")}
+            print(f"### {self.name}: {self.steps} steps\n"
+                  f"{events.table(sort_by='self_cuda_time_total', row_limit=30, max_name_column_width=70)}\n"
+                  f"{self.name}: GPU busy {busy_ms:.0f} ms of {wall_ms:.0f} ms wall; host syncs {syncs}", flush=True)
+            self.profiler = None
+
+
+class ProfileCallback(Callback):
+    def __init__(self, profile: KernelProfile) -> None:
+        self.profile = profile
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        self.profile.step_done(trainer.global_step)
 
 
 class StepTimer(Callback):
@@ -124,6 +164,7 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min((step + 1) / 11, 1.0))
     start, done = 0.0, 0
+    profile = KernelProfile("plain loop", row["warmup"]) if row["profile"] else None
     for step, batch in enumerate(_loader(row, module.config.vocab_size), start=1):
         inputs, labels = batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
         loss = loss_fn(model(inputs), labels)
@@ -137,13 +178,8 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
         if step == row["warmup"]:
             torch.cuda.synchronize()
             start = time.perf_counter()
-            if row["profile"]:
-                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-                profiler.start()
-        if row["profile"] and step == row["warmup"] + 3:
-            torch.cuda.synchronize()
-            profiler.stop()
-            print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+        if profile is not None:
+            profile.step_done(step)
         done = step
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -156,10 +192,11 @@ def lightning_run(row: dict[str, Any]) -> dict[str, Any]:
     module = _module(row)
     timer = StepTimer(row["warmup"])
     throughput = Throughput(log_every_n_steps=10, prog_bar=False)
+    profile = [ProfileCallback(KernelProfile("Lightning", row["warmup"]))] if row["profile"] else []
     trainer = L.Trainer(accelerator="cuda", devices=1, strategy=TitanStrategy(**_strategy_knobs(row)),
                         precision="bf16-mixed", max_steps=row["steps"], gradient_clip_val=1.0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=[timer, throughput])
+                        limit_val_batches=0, callbacks=[timer, throughput, *profile])
     trainer.fit(module, train_dataloaders=_loader(row, module.config.vocab_size))
     result = _rates(row, module, timer.timed_steps / timer.elapsed)
     last = throughput.windows[-1]
@@ -243,7 +280,7 @@ def main() -> None:
     parser.add_argument("--matrix", choices=sorted(MATRICES), help="run every row of a matrix")
     parser.add_argument("--rows", help="only these rows of the matrix, by index: 0,3")
     parser.add_argument("--profile", action="store_true", help="print the CUDA kernels that take the time in 3 "
-                        "steps of the plain loop (those steps' timing then includes the profiler)")
+                        "steps of each run, and the host syncs (those steps' timing then includes the profiler)")
     parser.add_argument("--flavor", default="1B")
     parser.add_argument("--n-layers", type=int, help="override the flavor's number of blocks")
     parser.add_argument("--batch-size", type=int, default=2)
