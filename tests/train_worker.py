@@ -148,7 +148,11 @@ class Sabotage(Callback):
             os.kill(os.getpid(), signal.Signals[self.drill["signal"]])
             native = self.out_dir / "native"
             native.mkdir(exist_ok=True)
-            (native / f"nccl_trace_rank_{trainer.global_rank}").write_bytes(torch._C._distributed_c10d._dump_fr_trace())
+            c10d_ext = torch._C._distributed_c10d
+            # torch 2.11 keeps NCCL's entries in a recorder of their own, the one its timeout dump writes.
+            native_dump = getattr(c10d_ext, "_dump_nccl_trace", None) if trainer.strategy.root_device.type == "cuda" \
+                else None
+            (native / f"nccl_trace_rank_{trainer.global_rank}").write_bytes((native_dump or c10d_ext._dump_fr_trace)())
         else:
             pipeline = getattr(trainer.strategy, "_pipeline", None)
             module = pipeline.stage_modules[0] if pipeline is not None else pl_module
@@ -222,6 +226,30 @@ class Recorder(Callback):
             self.training_mode_after_validation.append(all(m.training for m in modules))
 
 
+class MemoryProbe(Callback):
+    """Peak memory of one optimizer step, counted by torch's MemTracker, which follows every tensor storage
+    (CPU ones too, where the allocator keeps no statistics). Take a step after the first: AdamW's state exists."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.tracker: Any = None
+        self.peak_bytes: int | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step == self.step and self.tracker is None:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            self.tracker = MemTracker()
+            self.tracker.track_external(pl_module, *trainer.optimizers)
+            self.tracker.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.tracker is not None and self.peak_bytes is None:
+            self.tracker.__exit__(None, None, None)
+            self.peak_bytes = sum(device["Total"] for device in self.tracker.get_tracker_snapshot("peak").values())
+
+
 def main(spec: dict[str, Any], out_dir: Path) -> None:
     L.seed_everything(spec.get("seed", 0), verbose=False)
     if spec.get("lightning_model_parallel"):
@@ -238,8 +266,8 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     if "drill" in spec:
         callbacks.append(Sabotage(spec["drill"], out_dir))
     throughput = Throughput(**spec["throughput"]) if "throughput" in spec else None
-    if throughput is not None:
-        callbacks.append(throughput)
+    memory_probe = MemoryProbe(spec["memory_probe_step"]) if "memory_probe_step" in spec else None
+    callbacks += [callback for callback in (throughput, memory_probe) if callback is not None]
     removal_log = RemovalLog()
     if spec.get("slow_writes_s") or spec.get("kill_during_save"):
         _interfere_with_writes(spec.get("slow_writes_s", 0.0), spec.get("kill_during_save"))
@@ -262,8 +290,8 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
         data = TextDataModule(source="offline", seq_len=32, batch_size=spec["batch_size"], val_batches=0)
         trainer.fit(model, datamodule=data, ckpt_path=spec.get("resume_from"))
     else:
-        model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "n_layers": spec.get("n_layers", TINY.n_layers)}),
-                           **model_args)
+        shape = {"n_layers": spec.get("n_layers", TINY.n_layers), **spec.get("model", {})}
+        model = module_cls(model=LlamaConfig(**{**TINY.__dict__, **shape}), **model_args)
         seq_len = spec.get("seq_len", 32)
         samples = AffineSequences(spec.get("samples", 512), seq_len, TINY.vocab_size)
         loader = DataLoader(samples, batch_size=spec["batch_size"])
@@ -275,6 +303,8 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
               "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step,
               "batch_rank": trainer.strategy.distributed_sampler_kwargs["rank"] if trainer.world_size > 1 else 0,
               "removals": removal_log.removals, "callbacks": [type(c).__name__ for c in trainer.callbacks]}
+    if memory_probe is not None:
+        result["peak_memory_bytes"] = memory_probe.peak_bytes
     if throughput is not None:
         result["throughput"] = [dataclasses.asdict(window) | window.metrics() for window in throughput.windows]
     if spec.get("lightning_callbacks"):
