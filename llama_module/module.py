@@ -15,6 +15,7 @@ from llama_module.args import LlamaConfig, get_flavor
 from llama_module.model import Llama
 from llama_module.plan import llama_plan
 from titan_strategy.plan import ParallelPlan
+from titan_strategy.step_metrics import log_step_metric
 
 __all__ = ["LlamaModule"]
 
@@ -93,7 +94,7 @@ class LlamaModule(L.LightningModule):
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        log_step_metric(self, "train_loss", loss, bar_name="loss", sync_dist=True)
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:

@@ -126,7 +126,7 @@ def test_checkpoint_callback_and_early_stopping_decide_as_without_parallelism(st
         assert record["global_step"] == single["global_step"]
         assert record["best_k_models"] == single["best_k_models"]
         assert record["best_model_score"] == pytest.approx(single["best_model_score"], rel=RTOL)
-        assert "train_loss" in record["progress_bar_metrics"]
+        assert "loss" in record["progress_bar_metrics"]
 
 
 @pytest.mark.parametrize(("nproc", "strategy"), [(1, {}), (4, _pp(4, "1F1B"))], ids=["pp1", "pp4"])

@@ -97,3 +97,28 @@ def test_compile_loss_needs_a_compute_loss_before_launch(tmp_path: Path) -> None
                                          r"but BoringModel has none"):
         trainer.fit(BoringModel())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_progress_bar_takes_the_loss_only_on_logging_steps(tmp_path: Path) -> None:
+    # Lightning converts progress-bar values to Python numbers each step they are logged (a host sync on GPU);
+    # the loss reaches the bar only every log_every_n_steps, and the loggers' callback metrics every step.
+    from torch.utils.data import DataLoader
+
+    from llama_module import LlamaModule
+    from tests.train_worker import TINY, AffineSequences
+
+    seen: list[tuple[float, float]] = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+            seen.append((trainer.progress_bar_metrics["loss"], float(trainer.callback_metrics["train_loss"])))
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=7, log_every_n_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Record()], default_root_dir=tmp_path)
+    trainer.fit(LlamaModule(model=TINY, warmup_steps=1, decay_steps=10),
+                DataLoader(AffineSequences(64, 32, TINY.vocab_size), batch_size=2))
+    bar, losses = zip(*seen)
+    assert len(set(losses)) == 7  # every step's loss reached the callback metrics
+    # Steps 0, 3 and 6 (global_step at their training_step) refreshed the bar, with that step's loss.
+    assert list(bar) == [losses[0]] * 3 + [losses[3]] * 3 + [losses[6]]

@@ -52,6 +52,7 @@ from titan_strategy.pipeline.layout import PIPELINE_SCHEDULES, PipelineConfig, P
 from titan_strategy.pipeline.runner import PipelineRunner, token_cross_entropy
 from titan_strategy.plan import ParallelPlan, PlannedModule
 from titan_strategy.precision import TitanPrecision, to_titan_precision
+from titan_strategy.step_metrics import log_step_metric
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -434,7 +435,7 @@ class TitanStrategy(ParallelStrategy):
         assert self._pipeline is not None
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         loss = self._pipeline.train_step(batch, accumulate=accumulate)
-        self.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        log_step_metric(self.lightning_module, "train_loss", loss, bar_name="loss", sync_dist=True)
         return loss
 
     @override
@@ -545,7 +546,7 @@ class TitanStrategy(ParallelStrategy):
         return output
 
     def _log_grad_norm(self, norm: Tensor) -> None:
-        self.lightning_module.log("grad_norm", norm, on_step=True, prog_bar=True)
+        log_step_metric(self.lightning_module, "grad_norm", norm, bar_name="gnorm")
 
     @override
     def model_to_device(self) -> None:

@@ -19,6 +19,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from titan_strategy.step_metrics import log_to_progress_bar
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -181,7 +183,7 @@ class Throughput(Callback):
             if "throughput/mfu_percent" in metrics:
                 shown["mfu%"] = metrics["throughput/mfu_percent"]
             for name, value in shown.items():
-                pl_module.log(name, round(value, 1), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+                log_to_progress_bar(pl_module, name, round(value, 1))
 
 
 def _count_input_ids(batch: Any) -> tuple[int, int]:
