@@ -31,11 +31,15 @@ def _config_of(model: Any) -> LlamaConfig:
     return get_flavor(model) if isinstance(model, str) else LlamaConfig.from_dict(model)
 
 
+def _strategy_args(config: dict[str, Any]) -> dict[str, Any]:
+    """TitanStrategy's arguments in a training YAML (``trainer.strategy.init_args``)."""
+    strategy = (config.get("trainer") or {}).get("strategy")
+    return (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+
+
 def _layout_of_config(config: dict[str, Any], gpus: int) -> tuple[Layout, int, int]:
     """The layout a training YAML asks for, its sequence length and its global batch in tokens."""
-    trainer = config.get("trainer") or {}
-    strategy = (trainer.get("strategy") or {}).get("init_args") or {} if isinstance(trainer.get("strategy"), dict) \
-        else {}
+    strategy = _strategy_args(config)
     degrees = {"dp_replicate": strategy.get("data_parallel_replicate_size", 1),
                "tp": strategy.get("tensor_parallel_size", 1), "cp": strategy.get("context_parallel_size", 1),
                "pp": strategy.get("pipeline_parallel_size", 1)}
@@ -62,7 +66,11 @@ def check_training_config(config: dict[str, Any], gpu: GPU) -> tuple[Plan, Job]:
     gpus = per_node * (trainer.get("num_nodes") or 1)
     model = (config.get("model") or {}).get("model", "debug")
     layout, seq_len, batch_tokens = _layout_of_config(config, gpus)
-    job = Job(gpus=gpus, gpus_per_node=per_node, gpu=gpu, seq_len=seq_len, global_batch_tokens=batch_tokens)
+    strategy = _strategy_args(config)
+    job = Job(gpus=gpus, gpus_per_node=per_node, gpu=gpu, seq_len=seq_len, global_batch_tokens=batch_tokens,
+              compiled_blocks=bool(strategy.get("compile", False)),
+              compiled_loss=bool(strategy.get("compile_loss", False)),
+              async_tp=bool(strategy.get("async_tensor_parallel", False)))
     return check_layout(model_shape(_config_of(model)), layout, job), job
 
 
@@ -77,7 +85,8 @@ def _plan(args: argparse.Namespace) -> int:
     model = yaml.safe_load(Path(args.model).read_text())["model"]["model"] if args.model.endswith(".yaml") \
         else args.model
     job = Job(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=get_gpu(args.gpu, args.gpu_memory),
-              seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens)
+              seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens, compiled_blocks=not args.eager,
+              compiled_loss=not args.eager, async_tp=args.async_tp)
     plans = plan_layouts(model_shape(_config_of(model)), job, top=args.top)
     print(format_plans(plans, job, args.save_window_s))
     if args.png is not None:
@@ -97,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default: 2 sequences "
                         "per GPU)")
+    parser.add_argument("--eager", action="store_true", help="plan for uncompiled blocks and loss (default: "
+                        "compile=True and compile_loss=True, which keep fewer activations)")
+    parser.add_argument("--async-tp", action="store_true", help="plan with AsyncTP (async_tensor_parallel=True)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--png", type=Path, help="write the memory breakdown of the top layouts here")
     parser.add_argument("--save-window-s", type=float, default=60.0, help="checkpoint save window, for the write "

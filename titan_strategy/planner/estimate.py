@@ -34,6 +34,17 @@ COLLECTIVE_EFFICIENCY = 0.7
 RING_STEP_LATENCY_S = 8e-6
 # CP's ring passes key/value shards while attention computes; this share stays exposed.
 CP_EXPOSED = 0.3
+# AsyncTP overlaps TP's collectives with the matmuls they feed; this share stays exposed. The TorchTitan
+# paper's 70B FSDP32 x TP8 run gained 5.7% from it (829 -> 876 tokens/s/GPU).
+ASYNC_TP_EXPOSED = 0.4
+# Bytes per logit (per token and vocabulary entry) alive at the loss. Compiled loss: the bf16 logits and
+# their gradient. Eager loss adds the fp32 upcast and fp32 log-softmax: 15.7 GiB more on the 1B shape's
+# 16,384 x 128,256 logits (RESULTS.md #8), 8 bytes each.
+LOGIT_BYTES = {True: 4, False: 12}
+# What an uncompiled block keeps beyond a compiled one, in bf16 values per token and dim: the 1B shape's
+# eager run peaked 8.0 GiB above its compiled run (70.8 against 62.8 GiB, RESULTS.md #8; 16 blocks x
+# 16,384 tokens x 2,048), that is 8 values.
+EAGER_EXTRA_VALUES = 8
 # Allocator fragmentation (reserved / allocated was 1.07-1.18 on the GPU) and the CUDA context + NCCL buffers.
 FRAGMENTATION = 1.10
 RUNTIME_GIB = 2.0
@@ -69,29 +80,39 @@ class ModelShape:
         """Model FLOPs of training one token: 6 per non-embedding parameter plus attention (full, not causal-halved)."""
         return 6 * (self.params - self.vocab_size * self.dim) + 12 * self.n_layers * self.dim * seq_len
 
-    def activation_bytes_per_token(self, ac: str) -> float:
+    def activation_bytes_per_token(self, ac: str, compiled: bool = True) -> float:
         """What one block keeps for backward per token, in bf16, by AC mode.
 
         No AC: norm inputs and outputs, q/k/v before and after RoPE, attention output, gate, up and their
-        product (6 x dim + 2 x kv_dim + 3 x ffn_dim values). selective_op: attention's output and every
+        product (6 x dim + 2 x kv_dim + 3 x ffn_dim values); an eager block adds the fp32 copies its
+        norms and RoPE keep (``EAGER_EXTRA_VALUES`` x dim). selective_op: attention's output and every
         other matmul's (3 x dim + kv_dim + 1.5 x ffn_dim). full: the block's input. selective_layer (every
         2nd block, the strategy's default): the mean of none and full.
         """
         d, kv, f = self.dim, self.kv_dim, self.ffn_dim
-        values = {"none": 6 * d + 2 * kv + 3 * f, "selective_op": 3 * d + kv + 1.5 * f, "full": d}
+        eager = 0 if compiled else EAGER_EXTRA_VALUES * d
+        values = {"none": 6 * d + 2 * kv + 3 * f + eager, "selective_op": 3 * d + kv + 1.5 * f, "full": d}
         values["selective_layer"] = (values["none"] + values["full"]) / 2
         return _BF16 * values[ac]
 
 
 @dataclass(frozen=True)
 class Job:
-    """What the user asks for: GPUs, their kind, and the batch."""
+    """What the user asks for: GPUs, their kind, the batch, and the recipe choices that are not layouts.
+
+    ``compiled_blocks``: each block is compiled (TitanStrategy's ``compile``), which keeps fewer
+    tensors for backward. ``compiled_loss``: the loss is compiled (``compile_loss``), so fp32 logits never
+    materialize. ``async_tp``: TP's collectives overlap the matmuls (``async_tp``).
+    """
 
     gpus: int
     gpus_per_node: int
     gpu: GPU
     seq_len: int
     global_batch_tokens: int
+    compiled_blocks: bool = True
+    compiled_loss: bool = True
+    async_tp: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,7 +143,8 @@ class Estimate:
 
     Gradients and activations do not peak together: the strategy releases the last step's gradients
     before the forward, and backward frees activations as it makes gradients. So the peak holds the
-    larger of the two working sets, besides the weights and optimizer state.
+    larger of the two working sets, besides the weights and optimizer state. Likewise the logits are
+    freed before full AC's recomputation window opens.
     """
 
     memory: dict[str, float] = field(default_factory=dict)
@@ -133,13 +155,18 @@ class Estimate:
     @property
     def peak_allocated_gib(self) -> float:
         m = self.memory
-        working_set = max(m["activations"] + m["logits_loss"], m["gradients"])
-        return m["parameters"] + m["optimizer"] + m["gathered_weights"] + working_set
+        working_set = max(m["activations"] + max(m["logits_loss"], m["recompute_window"]), m["gradients"])
+        return m["parameters"] + m["optimizer"] + m["gathered_weights"] + m["unsharded_gradients"] + working_set
+
+    @property
+    def peak_reserved_gib(self) -> float:
+        """The caching allocator's peak: the allocated peak plus fragmentation (what torchtitan logs as memory)."""
+        return self.peak_allocated_gib * FRAGMENTATION
 
     @property
     def memory_gib(self) -> float:
-        """What must fit on the device: the peak, plus fragmentation and the runtime's own memory."""
-        return self.peak_allocated_gib * FRAGMENTATION + RUNTIME_GIB
+        """What must fit on the device: the reserved peak plus the runtime's own memory."""
+        return self.peak_reserved_gib + RUNTIME_GIB
 
     @property
     def step_s(self) -> float:
@@ -181,6 +208,16 @@ def _partly_hidden(communication: float, compute: float) -> float:
     return communication * communication / (communication + compute) if communication else 0.0
 
 
+def _last_stage_share(shape: ModelShape, layout: Layout, seq_len: int) -> float:
+    """How much longer the rank with the last pipeline stage computes than the mean rank: it also runs the
+    output projection and the loss (the first stage's embedding lookup is nearly free), and all wait on it."""
+    if layout.pp == 1:
+        return 1.0
+    block = 6 * shape.block_params + 12 * shape.dim * seq_len
+    head = 6 * shape.vocab_size * shape.dim
+    return (shape.n_layers / layout.pp * block + head) / ((shape.n_layers * block + head) / layout.pp)
+
+
 def _matmul_efficiency(work: float) -> float:
     def raw(w: float) -> float:
         return w / (w + MATMUL_HALF_WORK)
@@ -209,23 +246,32 @@ def estimate(shape: ModelShape, layout: Layout, job: Job) -> Estimate:
     gather = unit * _BF16 * 2 if layout.pp == 1 else rank_params * _BF16  # under PP FSDP keeps a stage gathered
     if layout.float8:
         gather /= 2
-    activations = microbatch_tokens / layout.tp * layers * _in_flight_microbatches(layout) * \
-        shape.activation_bytes_per_token(layout.ac)
-    if layout.ac == "full":  # backward recomputes one block's whole activations at a time
-        activations += microbatch_tokens / layout.tp * shape.activation_bytes_per_token("none")
-    logits = 2 * microbatch_tokens * shape.vocab_size / layout.tp * _BF16  # logits and their gradient
+    # Under sequence parallelism the two norm outputs are all-gathered to the full sequence before the
+    # column-parallel matmuls, and those gathered inputs are what their backward keeps.
+    gathered_inputs = 2 * shape.dim * _BF16 * (1 - 1 / layout.tp)
+    saved = {ac: shape.activation_bytes_per_token(ac, job.compiled_blocks) / layout.tp
+             + (gathered_inputs if ac == "none" else 0.0) for ac in AC_MODES}
+    activations = microbatch_tokens * layers * _in_flight_microbatches(layout) * saved[layout.ac]
+    # Under full AC, backward recomputes one block's whole activations at a time, once the logits are gone.
+    recompute_window = microbatch_tokens * saved["none"] if layout.ac == "full" else 0.0
+    logits = microbatch_tokens * shape.vocab_size / layout.tp * LOGIT_BYTES[job.compiled_loss]
     memory = {
         "parameters": rank_params / shards * _FP32 / GIB,
         "gradients": rank_params / shards * _FP32 / GIB,
         "optimizer": rank_params / shards * 2 * _FP32 / GIB,
         "gathered_weights": gather / GIB,
+        # Under PP, torch's schedules defer FSDP's reduce-scatter to a stage's last microbatch: until then
+        # the stage's gradients accumulate unsharded, in the fp32 reduce dtype.
+        "unsharded_gradients": (rank_params * _FP32 if layout.pp > 1 else 0.0) / GIB,
         "activations": activations / GIB,
         "logits_loss": logits / GIB,
+        "recompute_window": recompute_window / GIB,
     }
     tokens_per_gpu = job.global_batch_tokens / job.gpus
     flops = tokens_per_gpu * shape.flops_per_token(seq) * (1 + RECOMPUTE[layout.ac])
     mfu = ACHIEVABLE_MFU * _matmul_efficiency(microbatch_tokens * shape.dim / layout.tp / 4096)
     compute = flops / (mfu * gpu.peak_bf16_tflops * 1e12) / (FLOAT8_SPEEDUP if layout.float8 else 1.0)
+    compute *= _last_stage_share(shape, layout, seq)
     # Bandwidth of a group: ranks are placed tp innermost, then cp, dp_shard, dp_replicate, pp outermost.
     span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "fsdp": layout.tp * layout.cp * layout.dp_shard,
             "dp_replicate": layout.tp * layout.cp * layout.dp, "pp": layout.world}
@@ -250,7 +296,8 @@ def estimate(shape: ModelShape, layout: Layout, job: Job) -> Estimate:
     boundary_bytes = microbatch_tokens / layout.tp * shape.dim * _BF16
     pp = 0.0 if layout.pp == 1 else 2 * layout.microbatches * layout.stages_per_rank * (
         PP_MICROBATCH_OVERHEAD_S + boundary_bytes / (link("pp") * 1e9 * COLLECTIVE_EFFICIENCY))
-    exposed = {"fsdp": _partly_hidden(fsdp, compute), "hsdp": _partly_hidden(hsdp, compute), "tp": tp,
+    exposed = {"fsdp": _partly_hidden(fsdp, compute), "hsdp": _partly_hidden(hsdp, compute),
+               "tp": tp * (ASYNC_TP_EXPOSED if job.async_tp else 1.0),
                "cp": CP_EXPOSED * cp, "pp": pp}
     busy = compute + sum(exposed.values())
     step = busy / (1 - _bubble(layout))

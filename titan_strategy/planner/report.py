@@ -9,7 +9,8 @@ from titan_strategy.planner.search import Plan
 
 __all__ = ["format_plans", "save_memory_png"]
 
-_PARTS = ("parameters", "gradients", "optimizer", "gathered_weights", "activations", "logits_loss")
+_PARTS = ("parameters", "gradients", "optimizer", "gathered_weights", "unsharded_gradients", "activations",
+          "logits_loss", "recompute_window")
 
 
 def _layout_cells(plan: Plan) -> list[str]:
