@@ -93,7 +93,8 @@ class KernelProfile:
             wall_ms = 1e3 * (time.perf_counter() - self.start)
             self.profiler.stop()
             events = self.profiler.key_averages()
-            busy_ms = sum(event.self_device_time_total for event in events if event.device_type == DeviceType.CUDA) / 1e3
+            kernels = [event for event in events if event.device_type == DeviceType.CUDA]
+            busy_ms = sum(event.self_device_time_total for event in kernels) / 1e3
             syncs = {event.key: event.count for event in events
                      if event.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
                                       "cudaEventSynchronize")}

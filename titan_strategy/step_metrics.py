@@ -22,7 +22,8 @@ def log_to_progress_bar(module: pl.LightningModule, name: str, value: float | Te
     module.log(name, shown, prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
 
-def log_step_metric(module: pl.LightningModule, name: str, value: Tensor, bar_name: str, sync_dist: bool = False) -> None:
+def log_step_metric(module: pl.LightningModule, name: str, value: Tensor, bar_name: str,
+                    sync_dist: bool = False) -> None:
     """Log ``value`` to the loggers every step, and to the progress bar (as ``bar_name``) on the loggers' steps.
 
     The loggers read their values only every ``log_every_n_steps``; the bar's copy has to come to the CPU,
