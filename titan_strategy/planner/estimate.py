@@ -102,7 +102,7 @@ class Job:
 
     ``compiled_blocks``: each block is compiled (TitanStrategy's ``compile``), which keeps fewer
     tensors for backward. ``compiled_loss``: the loss is compiled (``compile_loss``), so fp32 logits never
-    materialize. ``async_tp``: TP's collectives overlap the matmuls (``async_tp``).
+    materialize. ``async_tp``: TP's collectives overlap the matmuls (``async_tensor_parallel``).
     """
 
     gpus: int
