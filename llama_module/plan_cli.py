@@ -14,10 +14,17 @@ from typing import Any
 import yaml
 
 from llama_module.args import LlamaConfig, get_flavor
+from titan_strategy.pipeline.layout import PipelineConfig
 from titan_strategy.planner.estimate import Job, Layout, ModelShape
 from titan_strategy.planner.hardware import GPU, GPUS, get_gpu
 from titan_strategy.planner.report import format_plans, save_memory_png
-from titan_strategy.planner.search import Plan, PlanError, check_layout, describe, plan_layouts
+from titan_strategy.planner.search import (
+    Plan,
+    PlanError,
+    check_layout,
+    describe,
+    plan_layouts,
+)
 
 __all__ = ["check_training_config", "main", "model_shape"]
 
@@ -37,7 +44,24 @@ def _strategy_args(config: dict[str, Any]) -> dict[str, Any]:
     return (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
 
 
-def _layout_of_config(config: dict[str, Any], gpus: int) -> tuple[Layout, int, int]:
+def _pipeline_of(strategy: dict[str, Any], n_layers: int) -> tuple[str | None, int, int]:
+    """(schedule, stages per rank, microbatches) of the strategy's pipeline knobs, resolved as TitanStrategy does."""
+    size = strategy.get("pipeline_parallel_size", 1)
+    if size == 1:
+        return None, 1, 1
+    split_points = strategy.get("pipeline_split_points")
+    try:
+        layout = PipelineConfig(size=size, schedule=strategy.get("pipeline_schedule", "1F1B"),
+                                microbatches=strategy.get("pipeline_microbatches"),
+                                stages_per_rank=strategy.get("pipeline_stages_per_rank"),
+                                layers_per_stage=strategy.get("pipeline_layers_per_stage"),
+                                split_points=tuple(split_points) if split_points is not None else None).resolve(n_layers)
+    except ValueError as error:
+        raise PlanError(f"The pipeline cannot run: {error}") from None
+    return strategy.get("pipeline_schedule", "1F1B"), layout.num_stages // size, layout.microbatches
+
+
+def _layout_of_config(config: dict[str, Any], gpus: int, n_layers: int) -> tuple[Layout, int, int]:
     """The layout a training YAML asks for, its sequence length and its global batch in tokens."""
     strategy = _strategy_args(config)
     degrees = {"dp_replicate": strategy.get("data_parallel_replicate_size", 1),
@@ -46,9 +70,7 @@ def _layout_of_config(config: dict[str, Any], gpus: int) -> tuple[Layout, int, i
     others = degrees["dp_replicate"] * degrees["tp"] * degrees["cp"] * degrees["pp"]
     dp_shard = strategy.get("data_parallel_shard_size", -1)
     dp_shard = gpus // others if dp_shard == -1 else dp_shard
-    schedule = strategy.get("pipeline_schedule", "1F1B") if degrees["pp"] > 1 else None
-    stages_per_rank = strategy.get("pipeline_stages_per_rank") or (1 if schedule in (None, "GPipe", "1F1B") else 2)
-    microbatches = strategy.get("pipeline_microbatches") or degrees["pp"] * stages_per_rank if schedule else 1
+    schedule, stages_per_rank, microbatches = _pipeline_of(strategy, n_layers)
     layout = Layout(dp_shard=dp_shard, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
                     ac=strategy.get("activation_checkpointing", "none"),
                     float8=strategy.get("float8", "none") != "none", **degrees)
@@ -65,13 +87,14 @@ def check_training_config(config: dict[str, Any], gpu: GPU) -> tuple[Plan, Job]:
         raise PlanError(f"trainer.devices={per_node!r}: the check needs a number of devices.")
     gpus = per_node * (trainer.get("num_nodes") or 1)
     model = (config.get("model") or {}).get("model", "debug")
-    layout, seq_len, batch_tokens = _layout_of_config(config, gpus)
+    shape = _config_of(model)
+    layout, seq_len, batch_tokens = _layout_of_config(config, gpus, shape.n_layers)
     strategy = _strategy_args(config)
     job = Job(gpus=gpus, gpus_per_node=per_node, gpu=gpu, seq_len=seq_len, global_batch_tokens=batch_tokens,
               compiled_blocks=bool(strategy.get("compile", False)),
               compiled_loss=bool(strategy.get("compile_loss", False)),
               async_tp=bool(strategy.get("async_tensor_parallel", False)))
-    return check_layout(model_shape(_config_of(model)), layout, job), job
+    return check_layout(model_shape(shape), layout, job), job
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from llama_module.args import LlamaConfig, get_flavor
 from llama_module.paper_runs import PAPER_RUNS, PaperRun
+from llama_module.plan_cli import check_training_config, model_shape
 from llama_module.plan_cli import main as titan_plan
-from llama_module.plan_cli import model_shape
 from tests.conftest import launch
 from titan_strategy.planner.estimate import Job, Layout, estimate
 from titan_strategy.planner.hardware import get_gpu
@@ -99,6 +100,20 @@ def test_cli_plans_draws_and_checks(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "tokens/s/GPU" in out and "Why #1" in out and png.stat().st_size > 10_000
     assert titan_plan(["--check", str(REPO / "configs" / "llama3_8b_fsdp.yaml"), "--gpu", "H100"]) == 0
     assert "fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("llama3_*.yaml")))
+def test_every_shipped_gpu_config_fits_on_h100s(config: str) -> None:
+    check_training_config(yaml.safe_load((REPO / "configs" / config).read_text()), get_gpu("H100"))
+
+
+def test_check_resolves_the_pipeline_knobs_as_the_strategy_does() -> None:
+    config = yaml.safe_load((REPO / "configs" / "llama3_405b_fsdp8_tp8_pp8.yaml").read_text())
+    plan, _ = check_training_config(config, get_gpu("H100"))
+    assert (plan.layout.stages_per_rank, plan.layout.microbatches) == (2, 16)  # Interleaved1F1B: 2 per rank
+    config["trainer"]["strategy"]["init_args"].update(pipeline_schedule="1F1B", pipeline_microbatches=4)
+    with pytest.raises(PlanError, match="The pipeline cannot run: .*needs at least 8 microbatches"):
+        check_training_config(config, get_gpu("H100"))
 
 
 def test_cli_check_refuses_a_config_that_does_not_divide(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
