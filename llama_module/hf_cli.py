@@ -16,8 +16,17 @@ from pathlib import Path
 import torch
 
 from llama_module.args import LlamaConfig
-from llama_module.hf import config_from_hf, from_hf_state_dict, hf_config, to_hf_state_dict
-from titan_strategy.checkpoint import read_hyper_parameters, read_model_weights, write_model_weights
+from llama_module.hf import (
+    config_from_hf,
+    from_hf_state_dict,
+    hf_config,
+    to_hf_state_dict,
+)
+from titan_strategy.checkpoint import (
+    read_hyper_parameters,
+    read_model_weights,
+    write_model_weights,
+)
 
 __all__ = ["export_to_hf", "import_from_hf", "main"]
 

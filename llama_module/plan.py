@@ -14,7 +14,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llama_module.model import Llama
-from titan_strategy.plan import ContextParallelPlan, ParallelPlan, PipelinePlan, TensorParallelPlan
+from titan_strategy.plan import (
+    ContextParallelPlan,
+    ParallelPlan,
+    PipelinePlan,
+    TensorParallelPlan,
+)
 
 __all__ = ["llama_plan", "llama_tp_styles"]
 

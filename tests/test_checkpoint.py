@@ -14,7 +14,11 @@ import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 from tests.conftest import launch
-from titan_strategy import CorruptCheckpointError, DistributedCheckpointIO, TitanStrategy
+from titan_strategy import (
+    CorruptCheckpointError,
+    DistributedCheckpointIO,
+    TitanStrategy,
+)
 from titan_strategy.checkpoint import read_model_weights
 from titan_strategy.checkpoint.rng import capture_rng_states, restore_rng_states
 

@@ -12,7 +12,12 @@ import datasets
 import pytest
 import torch
 
-from llama_module.data import PackedWindows, ResumableLoader, TextDataModule, load_documents
+from llama_module.data import (
+    PackedWindows,
+    ResumableLoader,
+    TextDataModule,
+    load_documents,
+)
 from llama_module.tokenizer import Tokenizer
 
 

@@ -18,11 +18,26 @@ import pytest
 import torch
 
 from tests.conftest import launch
-from tests.test_parity import GLOBAL_BATCH, STEPS, _assert_close_per_step, _series, single_process  # noqa: F401
+from tests.test_parity import (  # noqa: F401
+    GLOBAL_BATCH,
+    STEPS,
+    _assert_close_per_step,
+    _series,
+    single_process,
+)
 from titan_strategy import FlightRecorder
-from titan_strategy.flight_recorder.analyze import diagnose, format_report, unmatched_p2p
+from titan_strategy.flight_recorder.analyze import (
+    diagnose,
+    format_report,
+    unmatched_p2p,
+)
 from titan_strategy.flight_recorder.cli import main as titan_fr
-from titan_strategy.flight_recorder.dump import NCCL_DUMP_PREFIX, RankDump, dump_dirs, read_dumps
+from titan_strategy.flight_recorder.dump import (
+    NCCL_DUMP_PREFIX,
+    RankDump,
+    dump_dirs,
+    read_dumps,
+)
 from titan_strategy.flight_recorder.watchdog import Watchdog
 
 DRILL_LIMIT_S = 120

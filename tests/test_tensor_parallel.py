@@ -8,8 +8,17 @@ from typing import Any
 import pytest
 
 from tests.conftest import launch
-from tests.test_parity import GLOBAL_BATCH, STEPS, _assert_close_per_step, _assert_identical_on_all_ranks, _series
-from titan_strategy.parallelize.tensor_parallel import check_sequence_length, check_tp_plan
+from tests.test_parity import (
+    GLOBAL_BATCH,
+    STEPS,
+    _assert_close_per_step,
+    _assert_identical_on_all_ranks,
+    _series,
+)
+from titan_strategy.parallelize.tensor_parallel import (
+    check_sequence_length,
+    check_tp_plan,
+)
 from titan_strategy.plan import TensorParallelPlan
 
 RTOL = 1e-5
