@@ -93,7 +93,9 @@ class KernelProfile:
             wall_ms = 1e3 * (time.perf_counter() - self.start)
             self.profiler.stop()
             events = self.profiler.key_averages()
-            kernels = [event for event in events if event.device_type == DeviceType.CUDA]
+            # GPU-side annotations (Optimizer.step#...) span kernels that are counted already.
+            kernels = [event for event in events
+                       if event.device_type == DeviceType.CUDA and not event.is_user_annotation]
             busy_ms = sum(event.self_device_time_total for event in kernels) / 1e3
             syncs = {event.key: event.count for event in events
                      if event.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
