@@ -49,21 +49,23 @@ def _pipeline_of(strategy: dict[str, Any], n_layers: int) -> tuple[str | None, i
     size = strategy.get("pipeline_parallel_size", 1)
     if size == 1:
         return None, 1, 1
+    schedule = strategy.get("pipeline_schedule", "1F1B")
     split_points = strategy.get("pipeline_split_points")
     try:
-        layout = PipelineConfig(size=size, schedule=strategy.get("pipeline_schedule", "1F1B"),
+        layout = PipelineConfig(size=size, schedule=schedule,
                                 microbatches=strategy.get("pipeline_microbatches"),
                                 stages_per_rank=strategy.get("pipeline_stages_per_rank"),
                                 layers_per_stage=strategy.get("pipeline_layers_per_stage"),
                                 split_points=tuple(split_points) if split_points is not None else None).resolve(n_layers)
     except ValueError as error:
         raise PlanError(f"The pipeline cannot run: {error}") from None
-    return strategy.get("pipeline_schedule", "1F1B"), layout.num_stages // size, layout.microbatches
+    return schedule, layout.num_stages // size, layout.microbatches
 
 
-def _layout_of_config(config: dict[str, Any], gpus: int, n_layers: int) -> tuple[Layout, int, int]:
-    """The layout a training YAML asks for, its sequence length and its global batch in tokens."""
-    strategy = _strategy_args(config)
+def _layout_of_config(config: dict[str, Any], strategy: dict[str, Any], gpus: int,
+                      n_layers: int) -> tuple[Layout, int, int]:
+    """The layout a training YAML (with its strategy arguments) asks for, its sequence length and its global
+    batch in tokens."""
     degrees = {"dp_replicate": strategy.get("data_parallel_replicate_size", 1),
                "tp": strategy.get("tensor_parallel_size", 1), "cp": strategy.get("context_parallel_size", 1),
                "pp": strategy.get("pipeline_parallel_size", 1)}
@@ -88,8 +90,8 @@ def check_training_config(config: dict[str, Any], gpu: GPU) -> tuple[Plan, Job]:
     gpus = per_node * (trainer.get("num_nodes") or 1)
     model = (config.get("model") or {}).get("model", "debug")
     shape = _config_of(model)
-    layout, seq_len, batch_tokens = _layout_of_config(config, gpus, shape.n_layers)
     strategy = _strategy_args(config)
+    layout, seq_len, batch_tokens = _layout_of_config(config, strategy, gpus, shape.n_layers)
     job = Job(gpus=gpus, gpus_per_node=per_node, gpu=gpu, seq_len=seq_len, global_batch_tokens=batch_tokens,
               compiled_blocks=bool(strategy.get("compile", False)),
               compiled_loss=bool(strategy.get("compile_loss", False)),

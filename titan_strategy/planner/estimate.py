@@ -249,11 +249,14 @@ def estimate(shape: ModelShape, layout: Layout, job: Job) -> Estimate:
     # Under sequence parallelism the two norm outputs are all-gathered to the full sequence before the
     # column-parallel matmuls, and those gathered inputs are what their backward keeps.
     gathered_inputs = 2 * shape.dim * _BF16 * (1 - 1 / layout.tp)
-    saved = {ac: shape.activation_bytes_per_token(ac, job.compiled_blocks) / layout.tp
-             + (gathered_inputs if ac == "none" else 0.0) for ac in AC_MODES}
-    activations = microbatch_tokens * layers * _in_flight_microbatches(layout) * saved[layout.ac]
+
+    def saved_per_token(ac: str) -> float:
+        return shape.activation_bytes_per_token(ac, job.compiled_blocks) / layout.tp + \
+            (gathered_inputs if ac == "none" else 0.0)
+
+    activations = microbatch_tokens * layers * _in_flight_microbatches(layout) * saved_per_token(layout.ac)
     # Under full AC, backward recomputes one block's whole activations at a time, once the logits are gone.
-    recompute_window = microbatch_tokens * saved["none"] if layout.ac == "full" else 0.0
+    recompute_window = microbatch_tokens * saved_per_token("none") if layout.ac == "full" else 0.0
     logits = microbatch_tokens * shape.vocab_size / layout.tp * LOGIT_BYTES[job.compiled_loss]
     memory = {
         "parameters": rank_params / shards * _FP32 / GIB,
