@@ -89,9 +89,15 @@ def test_float8_is_refused_on_cpu_in_trainer_init(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_compile_loss_needs_a_compute_loss_before_launch(tmp_path: Path) -> None:
+def test_compile_loss_needs_a_compute_loss_before_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
+    def no_launch(self: _SubprocessScriptLauncher) -> None:
+        # A started rank re-runs this pytest command line: the whole suite, beside this one.
+        raise AssertionError("the other processes were started before the module was checked")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", no_launch)
     trainer = _trainer(tmp_path, TitanStrategy(compile_loss=True), max_steps=1)
     with pytest.raises(ValueError, match=r"compile_loss=True compiles the module's compute_loss\(output, target\), "
                                          r"but BoringModel has none"):

@@ -9,8 +9,9 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -53,9 +54,6 @@ from titan_strategy.pipeline.runner import PipelineRunner, token_cross_entropy
 from titan_strategy.plan import ParallelPlan, PlannedModule
 from titan_strategy.precision import TitanPrecision, to_titan_precision
 from titan_strategy.step_metrics import log_step_metric
-
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
 __all__ = ["TitanStrategy", "PIPELINE_SCHEDULES"]
 
@@ -252,7 +250,8 @@ class TitanStrategy(ParallelStrategy):
         if not self.cluster_environment.creates_processes_externally:
             # The processes it starts inherit this, so their Flight Recorder dumps share one run folder.
             os.environ.setdefault(RUN_ID_ENV, time.strftime("%Y%m%d-%H%M%S"))
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _ModuleCheckingLauncher(self._check_module, self.cluster_environment, self.num_processes,
+                                                     self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -346,11 +345,13 @@ class TitanStrategy(ParallelStrategy):
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
-        # Before any process starts: the module is known here first.
+        self._check_module(model)  # under torchrun; Lightning's own launcher checks before starting processes
+        super().connect(model)
+
+    def _check_module(self, model: pl.LightningModule) -> None:
         if self.compile_loss and not callable(getattr(model, "compute_loss", None)):
             raise ValueError(f"compile_loss=True compiles the module's compute_loss(output, target), but "
                              f"{type(model).__name__} has none; define it (see LlamaModule) or set compile_loss=False.")
-        super().connect(model)
 
     @staticmethod
     def _compile_loss(module: pl.LightningModule) -> None:
@@ -724,3 +725,19 @@ def _logging_local_values(module: pl.LightningModule) -> Generator[None, None, N
         yield
     finally:
         del module.log
+
+
+class _ModuleCheckingLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher, which first checks the module: it starts the other ranks (re-running the
+    script's command line) before the trainer hands the module to the strategy, so an error raised later
+    would leave those processes running."""
+
+    def __init__(self, check_module: Callable[[pl.LightningModule], None], *args: Any) -> None:
+        super().__init__(*args)
+        self._check_module = check_module
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], pl.LightningModule):  # fit, validate, test and predict pass it first
+            self._check_module(args[0])
+        return super().launch(function, *args, trainer=trainer, **kwargs)
