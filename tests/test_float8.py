@@ -20,12 +20,21 @@ def test_output_and_unaligned_layers_stay_bf16_and_names_stay() -> None:
     with torch.device("meta"):
         model = Llama(config)
     names = [name for name, _ in model.named_parameters()]
-    assert apply_float8(model, "tensorwise", skip=("output",)) == 2 * 4  # q, k, v, o of both blocks
-    converted = {name for name, module in model.named_modules() if type(module) is not nn.Linear
+    assert apply_float8(model, "tensorwise", skip=("output",), fsdp_all_gather=True) == 2 * 4  # q, k, v, o of both
+    converted = {name: module for name, module in model.named_modules() if type(module) is not nn.Linear
                  and isinstance(module, nn.Linear)}
-    assert converted == {f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo")}
+    assert set(converted) == {f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo")}
+    assert all(module.config.enable_fsdp_float8_all_gather for module in converted.values())
     assert [name for name, _ in model.named_parameters()] == names
-    assert apply_float8(model, "none", skip=()) == 0
+    assert apply_float8(model, "none", skip=(), fsdp_all_gather=True) == 0
+
+
+def test_a_single_device_casts_tensorwise_weights_without_fsdp() -> None:
+    config = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128, max_seq_len=64)
+    with torch.device("meta"):
+        model = Llama(config)
+    assert apply_float8(model, "tensorwise", skip=("output",), fsdp_all_gather=False) == 7
+    assert not model.layers["0"].feed_forward.w1.config.enable_fsdp_float8_all_gather
 
 
 def _float8_gpu() -> bool:

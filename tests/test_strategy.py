@@ -128,3 +128,29 @@ def test_the_progress_bar_takes_the_loss_only_on_logging_steps(tmp_path: Path) -
     assert len(set(losses)) == 7  # every step's loss reached the callback metrics
     # Steps 0, 3 and 6 (global_step at their training_step) refreshed the bar, with that step's loss.
     assert list(bar) == [losses[0]] * 3 + [losses[3]] * 3 + [losses[6]]
+
+
+def test_a_single_device_trains_without_fsdp_under_autocast(tmp_path: Path) -> None:
+    # FSDP on one device has nothing to shard and would only copy weights and gradients through its buffers;
+    # there the fp32 weights stay plain parameters and bf16-mixed comes from autocast.
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils.data import DataLoader
+
+    from llama_module import LlamaModule
+    from tests.train_worker import TINY, AffineSequences
+
+    logits_dtypes: list[torch.dtype] = []
+
+    class Record(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            pl_module.model.output.register_forward_hook(lambda _, __, out: logits_dtypes.append(out.dtype))
+
+    module = LlamaModule(model=TINY, warmup_steps=1, decay_steps=10)
+    trainer = _trainer(tmp_path, TitanStrategy(), devices=1, precision="bf16-mixed", max_steps=2, logger=False,
+                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                       callbacks=[Record()])
+    trainer.fit(module, DataLoader(AffineSequences(16, 32, TINY.vocab_size), batch_size=2))
+    assert not any(isinstance(m, FSDPModule) for m in module.modules())
+    assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 for p in module.parameters())
+    assert logits_dtypes == [torch.bfloat16] * 2

@@ -59,16 +59,23 @@ def test_matches_single_process(nproc: int, strategy: dict, single_process_with_
         assert record["val_losses"] == pytest.approx(reference["val_losses"], rel=RTOL)
 
 
-def test_checkpoint_from_fsdp2_x_tp2_resumes_under_fsdp4(tmp_path: Path, test_env: dict[str, str]) -> None:
+# (processes, batch per rank, strategy): a global batch of 8 either way.
+@pytest.mark.parametrize(("saved", "resumed"), [((4, 4, _tp(2)), (4, 2, {})), ((1, 8, {}), (2, 4, {}))],
+                         ids=["fsdp2xtp2-to-fsdp4", "single-device-to-fsdp2"])
+def test_checkpoint_resumes_under_another_layout(saved: tuple[int, int, dict], resumed: tuple[int, int, dict],
+                                                  tmp_path: Path, test_env: dict[str, str]) -> None:
     # 24 samples of global batch 8: step 3 ends an epoch, where Lightning resumes map-style data exactly.
+    # A single device saves plain tensors (no FSDP there); a sharded run reads its shards out of them.
     spec = {"steps": 6, "clip": 1.0, "samples": 24}
-    checkpoint = tmp_path / "dp2tp2.ckpt"
-    original = launch(4, {**spec, "batch_size": 4, "strategy": _tp(2), "save_at": 3, "save_path": str(checkpoint)},
-                      tmp_path / "dp2tp2", test_env)
-    resumed = launch(4, {**spec, "batch_size": 2, "resume_from": str(checkpoint)}, tmp_path / "dp4", test_env)
-    _assert_identical_on_all_ranks(resumed)
+    checkpoint = tmp_path / "saved.ckpt"
+    (saved_nproc, saved_batch, saved_strategy), (resumed_nproc, resumed_batch, resumed_strategy) = saved, resumed
+    original = launch(saved_nproc, {**spec, "batch_size": saved_batch, "strategy": saved_strategy, "save_at": 3,
+                                    "save_path": str(checkpoint)}, tmp_path / "saved", test_env)
+    after = launch(resumed_nproc, {**spec, "batch_size": resumed_batch, "strategy": resumed_strategy,
+                                   "resume_from": str(checkpoint)}, tmp_path / "resumed", test_env)
+    _assert_identical_on_all_ranks(after)
     [expected] = [s for s in original[0]["steps"] if s["step"] == 4]
-    first = resumed[0]["steps"][0]
+    first = after[0]["steps"][0]
     assert first["step"] == 4
     assert first["train_loss"] == pytest.approx(expected["train_loss"], rel=RTOL)
     assert first["grad_norm"] == pytest.approx(expected["grad_norm"], rel=RTOL)

@@ -26,8 +26,9 @@ SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
 class TitanPrecision(Precision):
     """``"bf16-mixed"`` keeps fp32 master weights, computes in bf16 and reduces gradients in fp32.
 
-    For a module the strategy parallelizes, FSDP2's ``MixedPrecisionPolicy`` does the casting, so no
-    autocast runs. A module that parallelized itself gets autocast, as Lightning would give it.
+    For a module the strategy shards, FSDP2's ``MixedPrecisionPolicy`` does the casting, so no autocast
+    runs. On a single device (no FSDP) and for a module that parallelized itself, autocast does, as
+    Lightning would run it.
     """
 
     def __init__(self, precision: Literal["32-true", "bf16-mixed"], device_type: str) -> None:

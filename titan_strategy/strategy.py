@@ -66,7 +66,8 @@ class TitanStrategy(ParallelStrategy):
 
     A module that declares a ``parallel_plan()`` is built on the meta device and parallelized by the
     strategy; a module that parallelizes itself in ``configure_model`` (ModelParallelStrategy style)
-    is left alone. Both see the mesh as ``self.device_mesh``.
+    is left alone. Both see the mesh as ``self.device_mesh``. On a single device the planned module is
+    not wrapped in FSDP (there is nothing to shard) and ``"bf16-mixed"`` runs it under autocast.
 
     Args:
         data_parallel_replicate_size: HSDP replicas (parameters replicated across them).
@@ -175,6 +176,7 @@ class TitanStrategy(ParallelStrategy):
         self.float8 = float8
         self.context_parallel_rotate_method = context_parallel_rotate_method
         self._plan: ParallelPlan | None = None
+        self._float8_all_gather = False
         self._sequence_sharder: SequenceSharder | None = None
         self._pipeline: PipelineRunner | None = None
         self._process_group_backend = process_group_backend
@@ -377,6 +379,8 @@ class TitanStrategy(ParallelStrategy):
         )
         self._plan = module.parallel_plan()
         parallelized = parallelize(self._plan, self.device_mesh, self.parallel_dims, config, self.root_device)
+        precision.use_autocast = not parallelized.sharded  # one device: no FSDP to cast the parameters
+        self._float8_all_gather = self.float8 == "tensorwise" and parallelized.sharded
         if self.parallel_dims.cp > 1:
             assert self._plan.context_parallel is not None
             self._sequence_sharder = SequenceSharder(self._plan.model, self.device_mesh["cp"],
@@ -540,7 +544,7 @@ class TitanStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.float8 == "tensorwise" and self._plan is not None:
+        if self._float8_all_gather:
             # The float8 all-gather reads each weight's scale; computing them all at once here is one
             # reduction instead of one per weight in the next forward.
             precompute_float8_scales(self._plan.model)

@@ -1,9 +1,9 @@
 """Float8 training (torchao) of a model's linear layers: matmuls in float8 with bf16 master weights kept.
 
 Recipes:
-- ``tensorwise``: one scale per tensor. FSDP casts the weights to float8 *before* its all-gather
+- ``tensorwise``: one scale per tensor. Under FSDP the weights are cast to float8 *before* its all-gather
   (half the bytes of bf16), and their scales are computed once per step, for all weights together,
-  right after the optimizer changed them.
+  right after the optimizer changed them. On a single device each matmul casts its weight.
 - ``rowwise``: one scale per row, more accurate for outliers and slower; weights are all-gathered
   in bf16.
 """
@@ -40,12 +40,13 @@ def check_float8_device(recipe: str, device: torch.device) -> None:
                          f"has {capability[0]}.{capability[1]}; use float8='none'.")
 
 
-def apply_float8(model: nn.Module, recipe: str, skip: tuple[str, ...]) -> int:
+def apply_float8(model: nn.Module, recipe: str, skip: tuple[str, ...], fsdp_all_gather: bool) -> int:
     """Swap the eligible ``nn.Linear`` layers of ``model`` for torchao's ``Float8Linear``, in place.
 
     Eligible: not named in ``skip`` (the output projection: its logits need the precision), and with
     both dims divisible by 16. Parameter names do not change, so checkpoints stay interchangeable
-    with bf16 runs.
+    with bf16 runs. ``fsdp_all_gather``: FSDP will wrap the model, so tensorwise weights are cast to
+    float8 before its all-gather.
 
     Returns:
         How many layers were converted.
@@ -55,7 +56,7 @@ def apply_float8(model: nn.Module, recipe: str, skip: tuple[str, ...]) -> int:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    if recipe == "tensorwise":  # FSDP wraps every model, so its all-gather always applies
+    if recipe == "tensorwise" and fsdp_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     converted = []
 

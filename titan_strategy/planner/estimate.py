@@ -80,18 +80,25 @@ class ModelShape:
         """Model FLOPs of training one token: 6 per non-embedding parameter plus attention (full, not causal-halved)."""
         return 6 * (self.params - self.vocab_size * self.dim) + 12 * self.n_layers * self.dim * seq_len
 
-    def activation_bytes_per_token(self, ac: str, compiled: bool = True) -> float:
-        """What one block keeps for backward per token, in bf16, by AC mode.
+    def activation_bytes_per_token(self, ac: str, compiled: bool = True, autocast: bool = False) -> float:
+        """What one block keeps for backward per token, in bf16 values, by AC mode.
 
         No AC: norm inputs and outputs, q/k/v before and after RoPE, attention output, gate, up and their
         product (6 x dim + 2 x kv_dim + 3 x ffn_dim values); an eager block adds the fp32 copies its
         norms and RoPE keep (``EAGER_EXTRA_VALUES`` x dim). selective_op: attention's output and every
         other matmul's (3 x dim + kv_dim + 1.5 x ffn_dim). full: the block's input. selective_layer (every
         2nd block, the strategy's default): the mean of none and full.
+
+        ``autocast`` (a single device, no FSDP): the residual stream stays fp32, so the residual-sized
+        values a block keeps take twice the bytes: the two norm inputs without AC (and an eager block's
+        two norm outputs), the block's input under selective_op and full AC.
         """
         d, kv, f = self.dim, self.kv_dim, self.ffn_dim
         eager = 0 if compiled else EAGER_EXTRA_VALUES * d
         values = {"none": 6 * d + 2 * kv + 3 * f + eager, "selective_op": 3 * d + kv + 1.5 * f, "full": d}
+        if autocast:
+            fp32_extra = {"none": (2 if compiled else 4) * d, "selective_op": d, "full": d}
+            values = {mode: value + fp32_extra[mode] for mode, value in values.items()}
         values["selective_layer"] = (values["none"] + values["full"]) / 2
         return _BF16 * values[ac]
 
@@ -156,7 +163,7 @@ class Estimate:
     def peak_allocated_gib(self) -> float:
         m = self.memory
         working_set = max(m["activations"] + max(m["logits_loss"], m["recompute_window"]), m["gradients"])
-        return m["parameters"] + m["optimizer"] + m["gathered_weights"] + m["unsharded_gradients"] + working_set
+        return m["parameters"] + m["optimizer"] + m["bf16_weights"] + m["unsharded_gradients"] + working_set
 
     @property
     def peak_reserved_gib(self) -> float:
@@ -243,15 +250,22 @@ def estimate(shape: ModelShape, layout: Layout, job: Job) -> Estimate:
     sequences = job.global_batch_tokens / seq / layout.dp  # per data-parallel rank and step
     microbatch_tokens = sequences / layout.microbatches * seq / layout.cp  # this rank's tokens in one microbatch
     unit = shape.block_params / layout.tp
-    gather = unit * _BF16 * 2 if layout.pp == 1 else rank_params * _BF16  # under PP FSDP keeps a stage gathered
-    if layout.float8:
-        gather /= 2
+    single_device = layout.world == 1
+    if single_device:
+        # No FSDP: autocast casts each weight for its matmul. A compiled block's backward casts its weights
+        # again (the partitioner recomputes the cheap cast); eager blocks and the output projection keep
+        # their bf16 copies for backward.
+        bf16_weights = (0 if job.compiled_blocks else shape.n_layers * shape.block_params * _BF16) + embed * _BF16
+    else:  # FSDP's gathered units
+        bf16_weights = unit * _BF16 * 2 if layout.pp == 1 else rank_params * _BF16  # under PP a stage stays gathered
+        if layout.float8:
+            bf16_weights /= 2
     # Under sequence parallelism the two norm outputs are all-gathered to the full sequence before the
     # column-parallel matmuls, and those gathered inputs are what their backward keeps.
     gathered_inputs = 2 * shape.dim * _BF16 * (1 - 1 / layout.tp)
 
     def saved_per_token(ac: str) -> float:
-        return shape.activation_bytes_per_token(ac, job.compiled_blocks) / layout.tp + \
+        return shape.activation_bytes_per_token(ac, job.compiled_blocks, autocast=single_device) / layout.tp + \
             (gathered_inputs if ac == "none" else 0.0)
 
     activations = microbatch_tokens * layers * _in_flight_microbatches(layout) * saved_per_token(layout.ac)
@@ -262,7 +276,7 @@ def estimate(shape: ModelShape, layout: Layout, job: Job) -> Estimate:
         "parameters": rank_params / shards * _FP32 / GIB,
         "gradients": rank_params / shards * _FP32 / GIB,
         "optimizer": rank_params / shards * 2 * _FP32 / GIB,
-        "gathered_weights": gather / GIB,
+        "bf16_weights": bf16_weights / GIB,
         # Under PP, torch's schedules defer FSDP's reduce-scatter to a stage's last microbatch: until then
         # the stage's gradients accumulate unsharded, in the fp32 reduce dtype.
         "unsharded_gradients": (rank_params * _FP32 if layout.pp > 1 else 0.0) / GIB,

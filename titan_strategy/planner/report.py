@@ -9,7 +9,7 @@ from titan_strategy.planner.search import Plan
 
 __all__ = ["format_plans", "save_memory_png"]
 
-_PARTS = ("parameters", "gradients", "optimizer", "gathered_weights", "unsharded_gradients", "activations",
+_PARTS = ("parameters", "gradients", "optimizer", "bf16_weights", "unsharded_gradients", "activations",
           "logits_loss", "recompute_window")
 
 
