@@ -16,15 +16,16 @@ import logging
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import lightning as L
 import torch
-from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader, IterableDataset
 
 from llama_module.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # datasets (with pyarrow and pandas) takes a second to import: done where documents load
+    import datasets
 
 __all__ = ["TextDataModule", "PackedWindows", "ResumableLoader", "offline_corpus_texts", "load_documents"]
 
@@ -48,6 +49,8 @@ def offline_corpus_texts() -> list[str]:
 
 
 def _offline_documents(split: str, seed: int) -> datasets.IterableDataset:
+    import datasets
+
     texts = offline_corpus_texts()
     keep = [t for i, t in enumerate(texts) if (i % _VALIDATION_EVERY == 0) == (split == "validation")]
     random.Random(seed).shuffle(keep)  # fixed order: a streaming shuffle buffer could not be resumed exactly
@@ -71,6 +74,8 @@ def load_documents(source: str, split: str, *, seed: int = 0) -> datasets.Iterab
         split: "train" or "validation"; local files only have "train".
         seed: order of the offline corpus.
     """
+    import datasets
+
     if source == "offline":
         return _offline_documents(split, seed)
     if source == "c4":
@@ -190,6 +195,8 @@ class TextDataModule(L.LightningDataModule):
         return kwargs.get("rank", 0), kwargs.get("num_replicas", 1)
 
     def _windows(self, source: str, split: str, repeat: bool) -> PackedWindows:
+        from datasets.distributed import split_dataset_by_node
+
         rank, world = self._data_parallel_rank()
         documents = split_dataset_by_node(load_documents(source, split, seed=self.seed), rank=rank, world_size=world)
         return PackedWindows(documents, self.tokenizer, self.seq_len, text_field=self.text_field, repeat=repeat)

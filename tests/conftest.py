@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
-WORKER = Path(__file__).with_name("train_worker.py")
+FORK_LAUNCH = Path(__file__).with_name("fork_launch.py")
 LAUNCH_TIMEOUT_S = 360  # a hung collective fails the test instead of stalling CI (2 loaded cores are slow)
 
 
@@ -58,13 +58,13 @@ def run_command(command: list[str], env: dict[str, str], cwd: Path,
 
 def launch(nproc: int, spec: dict[str, Any], out_dir: Path, env: dict[str, str],
            timeout_s: float = LAUNCH_TIMEOUT_S) -> list[dict[str, Any]]:
-    """Run tests/train_worker.py under torchrun with ``nproc`` processes; return each rank's record."""
+    """Run tests/train_worker.py on ``nproc`` forked ranks (tests/fork_launch.py); return each rank's record."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_file = out_dir / "spec.json"
     spec_file.write_text(json.dumps({"devices": nproc, **spec}))
     try:
-        run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                     str(WORKER), str(spec_file), str(out_dir)], env, out_dir, timeout_s)
+        run_command([sys.executable, str(FORK_LAUNCH), str(nproc), str(spec_file), str(out_dir)], env, out_dir,
+                    timeout_s)
     except AssertionError as failure:
         # Each failed rank's error (the worker writes them), one line each: "rank1: ValueError: ...".
         errors = "".join(f"\n{path.stem}: {path.read_text()}" for path in sorted(out_dir.glob("rank*.error")))

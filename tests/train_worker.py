@@ -1,5 +1,6 @@
-"""One training run under TitanStrategy, launched by the tests (torchrun or Lightning's launcher).
+"""One training run under TitanStrategy, launched by the tests (tests/fork_launch.py, torchrun or Lightning's launcher).
 
+    python tests/fork_launch.py 2 SPEC.json OUT_DIR
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/train_worker.py SPEC.json OUT_DIR
 
 Every rank writes OUT_DIR/rank{N}.json with the logged ``train_loss`` (and ``grad_norm``) of each
@@ -324,7 +325,7 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
 def _report_failure(error: Exception, out_dir: Path, wait_s: float = 20.0) -> None:
     """Write this rank's error, then give the other ranks a moment to write theirs.
 
-    torchrun stops every rank as soon as one exits, so without the wait a rank that is a little
+    The launcher stops every rank as soon as one exits, so without the wait a rank that is a little
     slower to reach the same error would be killed before it could show that it raises too.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -334,10 +335,14 @@ def _report_failure(error: Exception, out_dir: Path, wait_s: float = 20.0) -> No
         time.sleep(0.1)
 
 
-if __name__ == "__main__":
-    spec_file, out = Path(sys.argv[1]), Path(sys.argv[2])
+def run(spec_file: Path, out_dir: Path) -> None:
+    """This rank's part of the run ``spec_file`` describes; a failure is reported where the tests read it."""
     try:
-        main(json.loads(spec_file.read_text()), out)
+        main(json.loads(spec_file.read_text()), out_dir)
     except Exception as failure:
-        _report_failure(failure, out)
+        _report_failure(failure, out_dir)
         raise
+
+
+if __name__ == "__main__":
+    run(Path(sys.argv[1]), Path(sys.argv[2]))
