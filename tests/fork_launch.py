@@ -35,8 +35,11 @@ def _free_port() -> int:
 
 
 def _run_rank(rank: int, world_size: int, port: int, spec_file: Path, out_dir: Path) -> NoReturn:
-    # Killed with the launcher: a test's timeout kills only the launcher, which must not leave ranks behind.
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # Killed with the launcher: a test's timeout kills only the launcher, which must not leave ranks behind
+    # (Linux; elsewhere a timed-out test's ranks end at their process-group timeout).
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "prctl"):
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="fork-launch")
