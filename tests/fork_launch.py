@@ -42,7 +42,7 @@ def _run_rank(rank: int, world_size: int, port: int, spec_file: Path, out_dir: P
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="fork-launch")
+                      MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"fork-launch-{os.getppid()}")  # one id per job
     code = 0
     try:
         train_worker.run(spec_file, out_dir)
