@@ -96,7 +96,7 @@ class TitanStrategy(ParallelStrategy):
             "selective_layer" (fully checkpoint every ``activation_checkpointing_every``-th block).
         activation_checkpointing_every: the k of "selective_layer".
         float8: torchao float8 training of the linear layers (the plan's ``float8_skip`` stays bf16): "none",
-            "tensorwise" (float8 FSDP all-gather) or "rowwise". CUDA compute capability >= 8.9 only.
+            "tensorwise" (float8 FSDP all-gather when sharded) or "rowwise". CUDA compute capability >= 8.9 only.
         process_group_backend: "gloo", "nccl", ...; None picks by device.
         timeout_seconds: process-group timeout; a collective that waits longer fails instead of hanging.
         initial_weights: a checkpoint whose model weights replace the initialization (a TitanStrategy
