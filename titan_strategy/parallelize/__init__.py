@@ -12,7 +12,7 @@ from titan_strategy.parallelize.activation_checkpoint import apply_ac
 from titan_strategy.parallelize.compile import apply_compile
 from titan_strategy.parallelize.context_parallel import apply_cp, check_cp_plan
 from titan_strategy.parallelize.float8 import apply_float8
-from titan_strategy.parallelize.fsdp import ReshardPolicy, apply_fsdp
+from titan_strategy.parallelize.fsdp import ReshardPolicy, apply_fsdp, fsdp_wraps
 from titan_strategy.parallelize.materialize import materialize
 from titan_strategy.parallelize.tensor_parallel import apply_tp, check_tp_plan
 from titan_strategy.pipeline.layout import PipelineConfig, PipelineLayout
@@ -112,7 +112,7 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
     # each would all-gather the same weights once per microbatch, so "default" keeps them gathered.
     reshard = "never" if layout is not None and config.reshard_after_forward == "default" else \
         config.reshard_after_forward
-    sharded = dims.world_size > 1
+    sharded = fsdp_wraps(dims.world_size)
     for part in parts:
         apply_float8(part, config.float8, plan.float8_skip, fsdp_all_gather=sharded)
         if dims.tp > 1:

@@ -10,11 +10,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-__all__ = ["apply_fsdp", "ReshardPolicy"]
+__all__ = ["apply_fsdp", "fsdp_wraps", "ReshardPolicy"]
 
 log = logging.getLogger(__name__)
 
 ReshardPolicy = Literal["default", "always", "never"]
+
+
+def fsdp_wraps(world_size: int) -> bool:
+    """Whether a run of ``world_size`` ranks is wrapped in FSDP: a single device has nothing to shard, and FSDP
+    would still copy every weight and gradient through its collective buffers."""
+    return world_size > 1
 
 
 def apply_fsdp(

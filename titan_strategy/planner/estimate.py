@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from titan_strategy.parallelize.fsdp import fsdp_wraps
 from titan_strategy.planner.hardware import GPU
 
 __all__ = ["Job", "Layout", "ModelShape", "Estimate", "estimate", "SCHEDULES", "AC_MODES"]
@@ -250,7 +251,7 @@ def estimate(shape: ModelShape, layout: Layout, job: Job) -> Estimate:
     sequences = job.global_batch_tokens / seq / layout.dp  # per data-parallel rank and step
     microbatch_tokens = sequences / layout.microbatches * seq / layout.cp  # this rank's tokens in one microbatch
     unit = shape.block_params / layout.tp
-    single_device = layout.world == 1
+    single_device = not fsdp_wraps(layout.world)
     if single_device:
         # No FSDP: autocast casts each weight for its matmul. A compiled block's backward casts its weights
         # again (the partitioner recomputes the cheap cast); eager blocks and the output projection keep
