@@ -96,19 +96,23 @@ class RMSNorm(nn.Module):
 class CausalSDPA(nn.Module):
     """Causal scaled dot-product attention of (bs, heads, seqlen, head_dim) tensors.
 
+    Key and value may have fewer heads than the query (grouped-query attention): each then serves
+    ``query heads / kv heads`` consecutive query heads. The kernels do that themselves, which is faster
+    than expanding key and value first and keeps the expanded copies out of the saved activations.
+
     A module of its own so that a parallelism can take over exactly this call (context parallelism
     turns it into ring attention over sequence shards).
     """
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        grouped = query.size(1) != key.size(1)
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=grouped)
 
 
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.repeats = config.n_heads // config.n_kv_heads
         self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
@@ -127,9 +131,6 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_local_kv_heads, head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        # Grouped-query attention: every kv head serves `repeats` consecutive query heads.
-        k = k.repeat_interleave(self.repeats, dim=2)  # (bs, seqlen, n_local_heads, head_dim)
-        v = v.repeat_interleave(self.repeats, dim=2)
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (bs, n_local_heads, seqlen, hd)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 

@@ -216,9 +216,13 @@ def test_ring_attention_runs_every_cuda_kernel(kernel: str, cuda_cp_mesh_of_one:
 
     holder = _Holder(causal=True)
     apply_cp(holder, cuda_cp_mesh_of_one, ContextParallelPlan(attention="attention"))
-    qkv = [torch.randn(2, 8, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    # Grouped-query attention, as the Llama model calls it: 8 query heads over 2 key/value heads.
+    qkv = [torch.randn(2, heads, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for heads in (8, 2, 2)]
     with sdpa_kernel(getattr(SDPBackend, kernel)):
-        expected_out = F.scaled_dot_product_attention(*qkv, is_causal=True)
+        query, key, value = qkv
+        expected_out = F.scaled_dot_product_attention(query, key.repeat_interleave(4, dim=1),
+                                                      value.repeat_interleave(4, dim=1), is_causal=True)
         expected_out.float().square().sum().backward()
         expected = [t.grad.clone() for t in qkv]
         for t in qkv:

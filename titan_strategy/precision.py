@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -44,6 +44,8 @@ class TitanPrecision(Precision):
         self.before_parameter_update: Callable[[], None] | None = None
         # Set by the strategy under pipeline parallelism: the norm spans every stage's parameters.
         self.grad_norm_group: ProcessGroup | None = None
+        self._clip_scale_of: Optimizer | None = None  # the optimizer whose step divides by this step's clip scale
+        self._norm_reported = False  # whether this step's clipping logged the norm it clipped by
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -62,20 +64,44 @@ class TitanPrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        total_norm = clip_grad_norm_(_parameters(optimizer), max_norm=float(clip_val),
-                                     group=self.grad_norm_group)
+        if _divides_gradients_as_it_reads_them(optimizer):
+            # Fused Adam(W) divides each gradient by its `grad_scale` as it reads it (what GradScaler uses):
+            # clipping by that scale saves a read and write of every gradient. torch clips by
+            # max_norm / (norm + 1e-6) where that is below 1; the scale is its reciprocal.
+            total_norm = total_grad_norm(_parameters(optimizer), group=self.grad_norm_group)
+            optimizer.grad_scale = torch.clamp((total_norm.float() + 1e-6) / float(clip_val), min=1.0)
+            self._clip_scale_of = optimizer
+        else:
+            total_norm = clip_grad_norm_(_parameters(optimizer), max_norm=float(clip_val),
+                                         group=self.grad_norm_group)
+        self._norm_reported = True
         if self.on_grad_norm is not None:
             self.on_grad_norm(total_norm)
 
     @override
+    def optimizer_step(self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any],
+                       **kwargs: Any) -> Any:
+        try:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        finally:
+            if self._clip_scale_of is optimizer:  # the scale was this step's only
+                del optimizer.grad_scale
+                self._clip_scale_of = None
+
+    @override
     def _after_closure(self, model: pl.LightningModule, optimizer: Optimizer) -> None:
+        self._norm_reported = False
         super()._after_closure(model, optimizer)  # hooks, then clipping (which reports the norm it used)
-        trainer = model.trainer
-        clipped_by_norm = bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm == "norm"
-        if not clipped_by_norm and self.on_grad_norm is not None:
+        if not self._norm_reported and self.on_grad_norm is not None:
             self.on_grad_norm(total_grad_norm(_parameters(optimizer), group=self.grad_norm_group))
         if self.before_parameter_update is not None:
             self.before_parameter_update()
+
+
+def _divides_gradients_as_it_reads_them(optimizer: Optimizer) -> bool:
+    fused = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
+        group.get("fused") for group in optimizer.param_groups)
+    return fused and getattr(optimizer, "grad_scale", None) is None
 
 
 def _parameters(optimizer: Optimizer) -> list[torch.nn.Parameter]:

@@ -86,8 +86,10 @@ class Throughput(Callback):
     """Measure and log training throughput every ``log_every_n_steps`` training batches.
 
     The first training batch (compilation, allocator warm-up) and any batch interrupted by
-    validation are left out. The window's ends wait for the GPU (``torch.cuda.synchronize``): that
-    is the only host sync, once per window, and what makes the timing honest.
+    validation are left out. On CUDA a window's ends are events on the compute stream, so measuring
+    never waits for the GPU: a window is logged, with the step it ended at, at the first batch end
+    after the GPU has passed its last event (usually the next one), and the windows still pending
+    when training ends or validation starts are logged then.
 
     Args:
         log_every_n_steps: training batches per window.
@@ -97,7 +99,7 @@ class Throughput(Callback):
         tokens_fn: ``batch -> (tokens, seq_len)``; None counts the batch's ``input_ids`` (or its first tensor).
         prog_bar: also show tokens/s and MFU in the progress bar.
 
-    Logged (to the trainer's loggers, at the window's last step): ``throughput/tokens_per_s_per_device``,
+    Logged (to the trainer's loggers): ``throughput/tokens_per_s_per_device``,
     ``throughput/tflops_per_device``, ``throughput/mfu_percent``, ``throughput/data_loading_percent``, and on
     CUDA ``memory/peak_allocated_gib`` and ``memory/peak_reserved_gib`` over the window.
     """
@@ -115,11 +117,12 @@ class Throughput(Callback):
         self.tokens_fn = tokens_fn or _count_input_ids
         self.prog_bar = prog_bar
         self.windows: list[ThroughputWindow] = []
-        self._start: float | None = None
+        self._start: _Mark | None = None
         self._last_end: float | None = None
         self._batches = self._tokens = 0
         self._data_seconds = 0.0
         self._seq_len = 0
+        self._pending: list[_EndedWindow] = []
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -133,34 +136,46 @@ class Throughput(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._batches += 1
+        if self._start is not None and self._batches >= self.log_every_n_steps:
+            end = _Mark(pl_module.device)
+            self._pending.append(_EndedWindow(
+                start=self._start, end=end, step=trainer.global_step, tokens=self._tokens,
+                data_seconds=self._data_seconds, memory=_memory(pl_module.device),
+            ))
+            self._start = None
         if self._start is None:
             self._restart(pl_module.device)
-            return
-        self._batches += 1
-        if self._batches < self.log_every_n_steps:
-            self._last_end = time.perf_counter()
-            return
-        _synchronize(pl_module.device)
-        window = ThroughputWindow(
-            tokens=self._tokens, seconds=time.perf_counter() - self._start, data_seconds=self._data_seconds,
-            ranks_per_batch=_ranks_per_batch(trainer), flops_per_token=self._flops_per_token(pl_module),
-            peak_tflops=self._peak(pl_module.device),
-        )
-        self.windows.append(window)
-        self._log(trainer, pl_module, {**window.metrics(), **_memory(pl_module.device)})
-        self._restart(pl_module.device)
+        self._last_end = time.perf_counter()
+        self._publish(trainer, pl_module, wait=False)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._publish(trainer, pl_module, wait=True)
         self._start = None  # the window in progress would count validation as training time
 
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._publish(trainer, pl_module, wait=True)
+
     def _restart(self, device: torch.device) -> None:
-        _synchronize(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self._batches = self._tokens = 0
         self._data_seconds = 0.0
-        self._start = self._last_end = time.perf_counter()
+        self._start = _Mark(device)
+
+    def _publish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, wait: bool) -> None:
+        """Log the ended windows whose last GPU work has run (all of them with ``wait``), oldest first."""
+        while self._pending and (wait or self._pending[0].end.reached()):
+            ended = self._pending.pop(0)
+            window = ThroughputWindow(
+                tokens=ended.tokens, seconds=ended.start.seconds_until(ended.end), data_seconds=ended.data_seconds,
+                ranks_per_batch=_ranks_per_batch(trainer), flops_per_token=self._flops_per_token(pl_module),
+                peak_tflops=self._peak(pl_module.device),
+            )
+            self.windows.append(window)
+            self._log(trainer, pl_module, {**window.metrics(), **ended.memory}, ended.step)
 
     def _flops_per_token(self, pl_module: pl.LightningModule) -> float | None:
         if self.flops_per_token is not None:
@@ -173,17 +188,51 @@ class Throughput(Callback):
             return self.peak_tflops
         return peak_tflops_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
-    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float], step: int) -> None:
         # Straight to the loggers: self.log would publish them only on the trainer's own logging steps.
         if trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(metrics, step=step)
         if self.prog_bar:
             shown = {"tok/s": metrics["throughput/tokens_per_s_per_device"]}
             if "throughput/mfu_percent" in metrics:
                 shown["mfu%"] = metrics["throughput/mfu_percent"]
             for name, value in shown.items():
                 log_to_progress_bar(pl_module, name, round(value, 1))
+
+
+class _Mark:
+    """A point in a device's timeline: a CUDA event on the current stream, or the host clock elsewhere
+    (where the host runs the work itself)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event: torch.cuda.Event | None = None
+        self._host = time.perf_counter()
+        if device.type == "cuda":
+            self._event = torch.cuda.Event(enable_timing=True)
+            self._event.record(torch.cuda.current_stream(device))
+
+    def reached(self) -> bool:
+        """Whether the device has run everything queued before the mark (never waits)."""
+        return self._event is None or self._event.query()
+
+    def seconds_until(self, later: _Mark) -> float:
+        if self._event is None or later._event is None:
+            return later._host - self._host
+        later._event.synchronize()  # returns at once where ``reached()``
+        return self._event.elapsed_time(later._event) / 1e3
+
+
+@dataclass(frozen=True)
+class _EndedWindow:
+    """A window whose batches are all queued; its time is known once the device reaches ``end``."""
+
+    start: _Mark
+    end: _Mark
+    step: int
+    tokens: int
+    data_seconds: float
+    memory: dict[str, float]
 
 
 def _count_input_ids(batch: Any) -> tuple[int, int]:
@@ -207,11 +256,6 @@ def _ranks_per_batch(trainer: pl.Trainer) -> int:
     strategy = trainer.strategy
     kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
     return max(trainer.world_size // kwargs.get("num_replicas", trainer.world_size), 1)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _memory(device: torch.device) -> dict[str, float]:

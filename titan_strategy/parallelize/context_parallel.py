@@ -82,7 +82,13 @@ def _to_sequence_shards(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs
             f"it was called with {len(args)} positional and {sorted(kwargs)} keyword arguments. Attention with a "
             "mask or other extra inputs cannot be split across sequence shards; set context_parallel_size=1."
         )
-    return tuple(DTensor.from_local(arg, mesh, (Shard(_SEQ_DIM),), run_check=False) for arg in args), {}
+    query, key, value = args
+    # Grouped-query attention: torch's ring attention expects as many key/value heads as query heads,
+    # so each kv head is repeated for the query heads it serves, as the kernels would do themselves.
+    groups = query.size(1) // key.size(1)
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return tuple(DTensor.from_local(t, mesh, (Shard(_SEQ_DIM),), run_check=False) for t in (query, key, value)), {}
 
 
 def _to_local(module: nn.Module, args: tuple, output: Any) -> Any:
