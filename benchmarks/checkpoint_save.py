@@ -1,11 +1,12 @@
-"""How long a checkpoint save holds training, per ``checkpoint_mode``, on one GPU.
+"""How long a checkpoint save holds training, per ``checkpoint_mode``, on one GPU or FSDP over several.
 
     python benchmarks/checkpoint_save.py --mode async_pinned --dir /tmp/bench_ckpt
+    python benchmarks/checkpoint_save.py --mode async_pinned --dir /tmp/bench_ckpt --devices 8 --flavor 8B
 
 Trains the 1B shape (seq 8192, batch 2, bf16-mixed, random tokens) and saves a full checkpoint
 (model, AdamW state, loops) at two steps, to the same path, so the second save replaces the first
 and reuses whatever the first allocated (pinned buffers, the background process). Prints one JSON
-line: per save, the time the save held the training loop as the checkpoint IO measured it
+line (rank 0's, whose shard is as large as any other's): per save, the time the save held the training loop as the checkpoint IO measured it
 (``blocking_s``: the save call plus any wait for staging before the next optimizer step), the time
 until the checkpoint was published (``total_s``), and ``loop_held_s``: ``blocking_s`` plus how much
 longer than the median the step after the save took (background work that slows the loop, such as
@@ -56,18 +57,21 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--save-at", type=int, nargs="+", default=[8, 96])
     parser.add_argument("--steps", type=int, default=104)
+    parser.add_argument("--devices", type=int, default=1, help="GPUs; more than one shards the model with FSDP")
     args = parser.parse_args()
 
     config = get_flavor(args.flavor)
     saver = SaveAndTime(args.save_at, args.dir / f"{args.mode}.ckpt")
     strategy = TitanStrategy(checkpoint_mode=args.mode)
-    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, precision="bf16-mixed",
+    trainer = L.Trainer(accelerator="cuda", devices=args.devices, strategy=strategy, precision="bf16-mixed",
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=[saver])
     data = DataLoader(RandomTokens(args.steps * args.batch_size, args.seq_len, config.vocab_size),
                       batch_size=args.batch_size, num_workers=2, pin_memory=True)
     trainer.fit(LlamaModule(model=config, warmup_steps=10), train_dataloaders=data)
 
+    if not trainer.is_global_zero:
+        return
     checkpoint = saver.path
     size_gib = sum(f.stat().st_size for f in checkpoint.iterdir()) / 2**30
     after_save = {step + 1 for step in args.save_at}
@@ -79,7 +83,7 @@ def main() -> None:
         "mode": args.mode, "flavor": args.flavor, "checkpoint_gib": round(size_gib, 2), "saves": saves,
         "median_step_s": round(median, 4),
         "step_after_save_s": [round(saver.step_s[step], 4) for step in sorted(after_save)],
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "lightning": L.__version__,
+        "devices": args.devices, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "lightning": L.__version__,
     }))
     shutil.rmtree(checkpoint)
 
