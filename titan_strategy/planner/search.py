@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from titan_strategy.knobs import compiled_zero_bubble_problem, float8_tensor_parallel_problem
 from titan_strategy.planner.estimate import AC_MODES, Estimate, Job, Layout, ModelShape, estimate
 
 __all__ = ["Plan", "PlanError", "check_layout", "describe", "explain", "layout_problems", "plan_layouts",
@@ -18,6 +19,8 @@ __all__ = ["Plan", "PlanError", "check_layout", "describe", "explain", "layout_p
 # Schedules the planner proposes; the others (GPipe, LoopedBFS, InterleavedZeroBubble, DualPipeV) are
 # accepted by --check but never beat these in the model.
 PROPOSED_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+# The float8 recipe the planner's float8 layouts stand for (its speed-up was measured with it).
+FLOAT8_RECIPE = "tensorwise"
 _STAGES_PER_RANK = {"1F1B": 1, "GPipe": 1, "ZBVZeroBubble": 2, "DualPipeV": 2}
 
 
@@ -63,6 +66,8 @@ def layout_problems(shape: ModelShape, layout: Layout, job: Job) -> list[str]:
         problems.append(f"{layout.schedule} needs at least pp={layout.pp} microbatches, not {layout.microbatches}")
     if layout.float8 and not job.gpu.float8:
         problems.append(f"{job.gpu.name} has no float8 tensor cores")
+    problems += filter(None, (float8_tensor_parallel_problem(FLOAT8_RECIPE if layout.float8 else "none", layout.tp),
+                              compiled_zero_bubble_problem(job.compiled_blocks, layout.pp, layout.schedule)))
     return problems
 
 
@@ -170,11 +175,13 @@ def plan_layouts(shape: ModelShape, job: Job, top: int = 10) -> list[Plan]:
             f"(weights, gradients and AdamW state alone are {params_gib:,.0f} GiB); use more GPUs, larger GPUs, or "
             "a smaller batch or sequence.")
     plans.sort(key=_rank_key)
-    # One row per parallel layout (degrees and schedule), with its fastest microbatch, AC and float8 choice.
+    # One row per parallel layout (degrees and schedule), with its best HSDP split of the data-parallel degree and
+    # its best microbatch, AC and float8 choice: the splits of one degree differ by a percent or two, and rows of
+    # near-copies would push the other layouts out of view.
     best: dict[tuple, Plan] = {}
     for plan in plans:
         layout = plan.layout
-        best.setdefault((layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.pp, layout.schedule), plan)
+        best.setdefault((layout.dp, layout.tp, layout.cp, layout.pp, layout.schedule), plan)
     return list(best.values())[:top]
 
 
