@@ -9,11 +9,14 @@ them) are in ``llama_module/paper_runs.py``.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from llama_module.paper_runs import PAPER_RUNS
-from titan_strategy.planner.estimate import estimate
+from titan_strategy.planner.estimate import Layout, estimate
 from titan_strategy.planner.search import Plan, describe, plan_layouts, ranking_score
+
+
+def _degrees(layout: Layout) -> tuple:
+    """What a planner row stands for: the degrees and schedule (its HSDP split, AC and float8 are its best choice)."""
+    return layout.dp, layout.tp, layout.cp, layout.pp, layout.schedule
 
 
 def main() -> None:
@@ -28,8 +31,7 @@ def main() -> None:
         # The paper's own recipe is estimated as it ran, even where TitanStrategy does not run it yet (float8
         # with TP): the comparison is with its measured numbers. The ranking is by degrees and schedule.
         ours = estimate(run.shape, paper, job)
-        same_degrees = [i for i, plan in enumerate(plans, start=1) if replace(
-            plan.layout, microbatches=paper.microbatches, ac=paper.ac, float8=paper.float8) == paper]
+        same_degrees = [i for i, plan in enumerate(plans, start=1) if _degrees(plan.layout) == _degrees(paper)]
         rank = same_degrees[0] if same_degrees else f"> {len(plans)}"
         print(f"  paper layout, rank {rank} (by degrees and schedule): {describe(paper)}")
         print(f"    speed {ours.tokens_per_s_per_gpu:,.0f} tokens/s/GPU (paper {run.tokens_per_s_per_gpu:,.0f}, "
