@@ -8,11 +8,14 @@ For each shape and backend (flash, memory-efficient, cuDNN) it times forward + b
 ``enable_gqa=True`` instead. It prints ms per call, the achieved TFLOP/s (causal FLOPs: forward
 2 matmuls of b*h*s*s*d over half the score matrix, backward 2.5 times the forward) and the largest
 difference of output and gradients from the flash backend's, and which backend torch picks by default.
+Where the ``flash-attn-4`` package is installed, its ``flash_attn_func`` (FlashAttention-4, CuTe DSL;
+Hopper and Blackwell) is timed too, on (batch, seq, heads, head_dim) inputs with the kv heads grouped.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +82,32 @@ def main() -> None:
                 ms = _time_ms(lambda: _run(backend, q, k, v, grad, gqa), args.iters)
                 print(f"| {shape_name} | {name} | {'native' if gqa else 'expanded'} | {ms:.2f} | "
                       f"{flops / ms / 1e9:.0f} | {diffs} |", flush=True)
+        if importlib.util.find_spec("flash_attn") and importlib.util.find_spec("flash_attn.cute"):
+            _time_fa4(shape_name, q, k, v, grad, reference, flops, args.iters)
+
+
+def _time_fa4(shape_name: str, q, k, v, grad, reference, flops: float, iters: int) -> None:
+    from flash_attn.cute import flash_attn_func
+
+    q4, k4, v4 = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    grad4 = grad.transpose(1, 2).contiguous()
+
+    def run():
+        for tensor in (q4, k4, v4):
+            tensor.grad = None
+        out = flash_attn_func(q4, k4, v4, causal=True)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad4)
+        return out.detach(), q4.grad, k4.grad, v4.grad
+
+    try:
+        found = [t.transpose(1, 2) for t in run()]
+    except Exception as error:  # noqa: BLE001 - a beta package: report any failure as a row
+        print(f"| {shape_name} | FA4 | native | failed: {type(error).__name__}: {str(error).splitlines()[0][:80]} | | |")
+        return
+    diffs = ", ".join(f"{(a.float() - b.float()).abs().max().item():.3g}" for a, b in zip(found, reference))
+    ms = _time_ms(run, iters)
+    print(f"| {shape_name} | FA4 | native | {ms:.2f} | {flops / ms / 1e9:.0f} | {diffs} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -148,13 +148,13 @@ def _module(row: dict[str, Any]) -> LlamaModule:
     if row["n_layers"] is not None:
         config = dataclasses.replace(config, n_layers=row["n_layers"])
     return LlamaModule(model=dataclasses.replace(config, max_seq_len=max(row["seq_len"], 2048)), warmup_steps=10,
-                       decay_steps=1000)
+                       decay_steps=1000, attention_kernel=row["attention_kernel"])
 
 
 def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
     """The same recipe without Lightning: parallelize, then forward, loss, backward, clip, step."""
     device = torch.device("cuda", 0)
-    module = _module(row)
+    module = _module(row).to(device)  # the device configure_model checks its kernels against
     with torch.device("meta"):
         module.configure_model()
     dims = ParallelDims.from_world_size(1, dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1)
@@ -245,7 +245,8 @@ def run_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    common = {"seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "profile": args.profile}
+    common = {"seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "profile": args.profile,
+              "attention_kernel": args.attention_kernel}
     if args.matrix is None:
         shape = {"flavor": args.flavor, "n_layers": args.n_layers, "batch_size": args.batch_size}
         return [{**shape, **common, "compile": args.compile, "compile_loss": args.compile_loss, "ac": args.activation_checkpointing,
@@ -258,8 +259,9 @@ def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = ["| shape | compile | compiled loss | AC | float8 | tokens/s | MFU | peak alloc / reserved GiB | "
-             "plain loop tokens/s | Lightning / plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | attention | compile | compiled loss | AC | float8 | tokens/s | MFU | "
+             "peak alloc / reserved GiB | plain loop tokens/s | Lightning / plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         run, plain = r["lightning"], r.get("plain")
         shape = r["flavor"] if r["n_layers"] is None else f"{r['flavor']} width x {r['n_layers']} layers"
@@ -267,7 +269,8 @@ def _table(results: list[dict[str, Any]]) -> str:
         memory = f"{run['peak_memory_gib']} / {run.get('peak_reserved_gib', '—')}"
         reference = "—" if plain is None else "OOM" if plain.get("oom") else f"{plain['tokens_per_s']:,}"
         ratio = f"{r['lightning_vs_plain']:.3f}" if "lightning_vs_plain" in r else "—"
-        lines.append(f"| {shape} | {'yes' if r['compile'] else 'no'} | {'yes' if r['compile_loss'] else 'no'} | "
+        lines.append(f"| {shape} | {r['attention_kernel']} | {'yes' if r['compile'] else 'no'} | "
+                     f"{'yes' if r['compile_loss'] else 'no'} | "
                      f"{r['ac']} | {r['float8']} | {speed} | {memory} | {reference} | {ratio} |")
     return "\n".join(lines)
 
@@ -296,6 +299,8 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", default="none",
                         choices=["none", "full", "selective_op", "selective_layer"])
     parser.add_argument("--float8", default="none", choices=["none", "tensorwise", "rowwise"])
+    parser.add_argument("--attention-kernel", default="sdpa", choices=["sdpa", "fa4"],
+                        help="LlamaModule(attention_kernel=...): torch's SDPA, or FlashAttention-4")
     parser.add_argument("--reference", action="store_true", help="also run the plain-loop reference")
     parser.add_argument("--results", type=Path, help="append a dated section with the table to this Markdown file")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row's JSON, run in this process

@@ -16,8 +16,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llama_module.args import LlamaConfig, RopeScaling
+from titan_strategy.kernels.flash_attention4 import flash_attention4
 
-__all__ = ["Llama", "ParamFiller", "fill_in_place", "rope_table"]
+__all__ = ["ATTENTION_KERNELS", "Llama", "ParamFiller", "fill_in_place", "rope_table"]
+
+ATTENTION_KERNELS = ("sdpa", "fa4")
 
 Initializer = Callable[[Tensor], None]
 ParamFiller = Callable[[nn.Parameter, Initializer], None]
@@ -102,22 +105,34 @@ class CausalSDPA(nn.Module):
 
     A module of its own so that a parallelism can take over exactly this call (context parallelism
     turns it into ring attention over sequence shards).
+
+    ``kernel``: ``sdpa`` (torch's SDPA, which picks its backend; what context parallelism takes over) or
+    ``fa4`` (FlashAttention-4, Hopper and Blackwell: ``titan_strategy.kernels.flash_attention4``).
     """
 
+    def __init__(self, kernel: str = "sdpa") -> None:
+        super().__init__()
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel={kernel!r} must be one of {list(ATTENTION_KERNELS)}.")
+        self.kernel = kernel
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        if self.kernel == "fa4":  # it takes (bs, seqlen, heads, head_dim): the layout the projections made
+            out, _ = flash_attention4(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+            return out.transpose(1, 2)
         grouped = query.size(1) != key.size(1)
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=grouped)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, attention_kernel: str = "sdpa") -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
-        self.sdpa = CausalSDPA()
+        self.sdpa = CausalSDPA(attention_kernel)
 
     def forward(self, x: Tensor, rope: Tensor) -> Tensor:
         # x may be a tensor-parallel DTensor; its shape is then the global one, which RoPE needs.
@@ -147,10 +162,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, attention_kernel: str = "sdpa") -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config, attention_kernel)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_dim)
 
@@ -163,14 +178,16 @@ class Llama(nn.Module):
     """Token ids (bs, seqlen) -> logits (bs, seqlen, vocab_size).
 
     ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` (a pipeline stage without
-    them): then the input is the hidden state and the output the hidden state.
+    them): then the input is the hidden state and the output the hidden state. ``attention_kernel``:
+    see ``CausalSDPA``.
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, attention_kernel: str = "sdpa") -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, attention_kernel)
+                                     for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.rope = RotaryTable(config)

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llama_module.args import LlamaConfig, get_flavor
-from llama_module.model import Llama
+from llama_module.model import ATTENTION_KERNELS, Llama
 from llama_module.plan import llama_plan
+from titan_strategy.kernels.flash_attention4 import check_flash_attention4
 from titan_strategy.plan import ParallelPlan
 from titan_strategy.step_metrics import log_step_metric
 
@@ -37,33 +38,52 @@ class LlamaModule(L.LightningModule):
         decay_steps: cosine decay after warm-up; None decays over the rest of the run (``max_steps``).
         min_lr_ratio: the decay ends at ``min_lr_ratio * lr``.
         fused_adamw: fused AdamW kernel; None uses it on CUDA.
+        attention_kernel: ``sdpa`` (torch's, any device, context parallel) or ``fa4`` (FlashAttention-4 on
+            Hopper/Blackwell, about 6% faster steps at the 1B shape on an H200; needs the ``flash-attn-4``
+            package, and no context parallelism).
     """
 
     def __init__(self, model: str | LlamaConfig | dict[str, Any] = "debug", vocab_size: int | None = None,
                  max_seq_len: int | None = None, lr: float = 8e-4, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.1, warmup_steps: int = 200, decay_steps: int | None = None,
-                 min_lr_ratio: float = 0.1, fused_adamw: bool | None = None) -> None:
+                 min_lr_ratio: float = 0.1, fused_adamw: bool | None = None, attention_kernel: str = "sdpa") -> None:
         super().__init__()
         config = get_flavor(model) if isinstance(model, str) else LlamaConfig.from_dict(model) \
             if isinstance(model, dict) else model
         overrides = {k: v for k, v in {"vocab_size": vocab_size, "max_seq_len": max_seq_len}.items() if v is not None}
         self.config = dataclasses.replace(config, **overrides)
+        if attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel={attention_kernel!r} must be one of {list(ATTENTION_KERNELS)}.")
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and min_lr_ratio={min_lr_ratio} in [0, 1].")
         # Plain values only, so checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters({"model": model if isinstance(model, str) else dataclasses.asdict(config),
                                    "vocab_size": vocab_size, "max_seq_len": max_seq_len, "lr": lr, "betas": list(betas),
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
-                                   "decay_steps": decay_steps, "min_lr_ratio": min_lr_ratio})
+                                   "decay_steps": decay_steps, "min_lr_ratio": min_lr_ratio,
+                                   "attention_kernel": attention_kernel})
         self.fused_adamw = fused_adamw
+        self.attention_kernel = attention_kernel
         self.model: Llama | None = None
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = Llama(self.config)
+        if self.attention_kernel == "fa4":
+            self._check_fa4()
+        self.model = Llama(self.config, self.attention_kernel)
         if not any(p.is_meta for p in self.model.parameters()):
             self.model.init_weights()  # a strategy that builds on the meta device initializes later
+
+    def _check_fa4(self) -> None:
+        """Before the model exists: FA4 needs its GPU and package, and context parallelism's ring attention
+        can only take over torch's SDPA."""
+        mesh = self.device_mesh
+        if mesh is not None and "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:
+            raise ValueError(f"attention_kernel='fa4' with context_parallel_size={mesh['cp'].size()}: ring attention "
+                             "runs through torch's SDPA. Use attention_kernel='sdpa', or context_parallel_size=1.")
+        # Lightning moves the module to its device only after configure_model: ask the strategy.
+        check_flash_attention4(self.trainer.strategy.root_device if self._trainer is not None else self.device)
 
     def parallel_plan(self) -> ParallelPlan:
         """Lets TitanStrategy parallelize the Llama (see ``llama_module.plan``)."""

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from titan_strategy.kernels.flash_attention4 import flash_attention4
+
 __all__ = ["AC_MODES", "apply_ac", "check_ac"]
 
 log = logging.getLogger(__name__)
@@ -26,11 +28,12 @@ AC_MODES = ("none", "full", "selective_op", "selective_layer")
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
-# Attention outputs are always kept. One name per SDPA backend: CPU, flash, memory-efficient, cuDNN.
+# Attention outputs are always kept. One name per SDPA backend (CPU, flash, memory-efficient, cuDNN), and
+# FlashAttention-4's op.
 _ATTENTION = {getattr(_aten, name).default for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-) if hasattr(_aten, name)}
+) if hasattr(_aten, name)} | {flash_attention4._opoverload}
 # Float8 matmuls count as matmuls when torchao's float8 training is on.
 if hasattr(_aten, "_scaled_mm"):
     _MATMULS.add(_aten._scaled_mm.default)

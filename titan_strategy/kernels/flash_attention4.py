@@ -1,0 +1,91 @@
+"""FlashAttention-4 (the ``flash-attn-4`` package: CuTe DSL kernels for Hopper and Blackwell) as a torch op.
+
+On the H200, FA4's causal forward + backward ran 1.27x faster than cuDNN's, the fastest SDPA backend there,
+at the Llama-3.2-1B attention shape (head_dim 64) and 1.15x at Llama-3-8B's (head_dim 128), with
+grouped kv heads (benchmarks/RESULTS.md, issue #8). Wrapped as a custom op, it is one opaque node to
+torch.compile (FA4's own autograd Function would break a compiled block's graph), and selective
+activation checkpointing can name it to keep its output.
+
+The op calls FA4's forward and backward entry points, which are not its public API: the ``fa4`` extra
+pins the version they were written against.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+__all__ = ["check_flash_attention4", "flash_attention4"]
+
+_FA4_PACKAGE = "flash-attn-4==4.0.0b36"
+_MIN_CAPABILITY = (9, 0)  # FA4 has kernels for SM 9.0 (Hopper) and SM 10.x (Blackwell)
+
+
+def check_flash_attention4(device: torch.device) -> None:
+    """Raise ``ValueError`` naming the fix if FA4 cannot run on ``device``; before any model work."""
+    if device.type != "cuda":
+        raise ValueError(f"attention_kernel='fa4' needs an NVIDIA GPU (Hopper or Blackwell); this run is on "
+                         f"{device.type}. Use attention_kernel='sdpa'.")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < _MIN_CAPABILITY:
+        raise ValueError(f"attention_kernel='fa4' needs compute capability >= 9.0 (H100/H200/B200); "
+                         f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}. Use "
+                         "attention_kernel='sdpa'.")
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        raise ValueError(f"attention_kernel='fa4' needs the flash-attn-4 package: pip install '{_FA4_PACKAGE}' "
+                         "(or this project's [fa4] extra). Or use attention_kernel='sdpa'.")
+
+
+@functools.cache
+def _fa4() -> ModuleType:
+    from flash_attn.cute import interface
+
+    return interface
+
+
+@torch.library.custom_op("titan::flash_attention4", mutates_args=())
+def flash_attention4(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal attention of (bs, seqlen, heads, head_dim) tensors; key and value may have fewer heads (each
+    then serves ``heads / kv heads`` consecutive query heads). Returns the output, shaped like ``query``,
+    and the log-sum-exp of each query's scores (bs, heads, seqlen), in fp32, which backward needs."""
+    query, key, value = (t.contiguous() for t in (query, key, value))
+    out, lse = _fa4()._flash_attn_fwd(query, key, value, causal=True, return_lse=True)[:2]
+    return out, lse
+
+
+@flash_attention4.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    bs, seqlen, heads, _ = query.shape
+    return torch.empty_like(query, memory_format=torch.contiguous_format), \
+        query.new_empty((bs, heads, seqlen), dtype=torch.float32)
+
+
+@torch.library.custom_op("titan::flash_attention4_backward", mutates_args=())
+def _flash_attention4_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+                               lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    grad_query, grad_key, grad_value = _fa4()._flash_attn_bwd(query, key, value, out, grad_out, lse,
+                                                              causal=True)[:3]
+    return grad_query, grad_key, grad_value
+
+
+@_flash_attention4_backward.register_fake
+def _(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+      lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value))
+
+
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Tensor, ...],
+                   output: tuple[Tensor, Tensor]) -> None:
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple:
+    query, key, value, out, lse = ctx.saved_tensors
+    return _flash_attention4_backward(grad_out.contiguous(), query, key, value, out, lse)
+
+
+flash_attention4.register_autograd(_backward, setup_context=_setup_context)
