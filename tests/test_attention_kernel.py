@@ -21,8 +21,9 @@ def test_an_unknown_kernel_is_refused_with_the_choices() -> None:
 
 
 def test_fa4_is_refused_on_cpu_before_the_model_exists(tmp_path: Path, test_env: dict[str, str]) -> None:
-    with pytest.raises(AssertionError, match=r"attention_kernel='fa4' needs an NVIDIA GPU \(Hopper or Blackwell\); "
-                                             r"this run is on cpu\. Use attention_kernel='sdpa'"):
+    with pytest.raises(AssertionError, match=r"attention_kernel='fa4' needs an NVIDIA GPU of compute capability >= "
+                                             r"9\.0 \(Hopper or Blackwell.*\), but the run is on cpu; use "
+                                             r"attention_kernel='sdpa'"):
         launch(1, {"steps": 1, "batch_size": 2, "attention_kernel": "fa4"}, tmp_path, test_env)
 
 

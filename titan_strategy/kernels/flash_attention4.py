@@ -19,6 +19,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from titan_strategy.gpu import check_gpu_capability
+
 __all__ = ["check_flash_attention4", "flash_attention4"]
 
 _FA4_PACKAGE = "flash-attn-4==4.0.0b36"
@@ -27,17 +29,11 @@ _MIN_CAPABILITY = (9, 0)  # FA4 has kernels for SM 9.0 (Hopper) and SM 10.x (Bla
 
 def check_flash_attention4(device: torch.device) -> None:
     """Raise ``ValueError`` naming the fix if FA4 cannot run on ``device``; before any model work."""
-    if device.type != "cuda":
-        raise ValueError(f"attention_kernel='fa4' needs an NVIDIA GPU (Hopper or Blackwell); this run is on "
-                         f"{device.type}. Use attention_kernel='sdpa'.")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < _MIN_CAPABILITY:
-        raise ValueError(f"attention_kernel='fa4' needs compute capability >= 9.0 (H100/H200/B200); "
-                         f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}. Use "
-                         "attention_kernel='sdpa'.")
+    check_gpu_capability(device, _MIN_CAPABILITY, "attention_kernel='fa4'", "Hopper or Blackwell: H100, H200, B200",
+                         "use attention_kernel='sdpa'")
     if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
         raise ValueError(f"attention_kernel='fa4' needs the flash-attn-4 package: pip install '{_FA4_PACKAGE}' "
-                         "(or this project's [fa4] extra). Or use attention_kernel='sdpa'.")
+                         "(or this project's [fa4] extra); or use attention_kernel='sdpa'.")
 
 
 @functools.cache

@@ -16,6 +16,8 @@ import logging
 import torch
 from torch import nn
 
+from titan_strategy.gpu import check_gpu_capability
+
 __all__ = ["FLOAT8_RECIPES", "apply_float8", "check_float8_device", "precompute_float8_scales"]
 
 log = logging.getLogger(__name__)
@@ -31,13 +33,8 @@ def check_float8_device(recipe: str, device: torch.device) -> None:
     """Refuse float8 where it cannot run: before the process builds anything."""
     if recipe == "none":
         return
-    if device.type != "cuda":
-        raise ValueError(f"float8={recipe!r} needs an NVIDIA GPU of compute capability >= 8.9 (H100, H200, L40, "
-                         f"B200...), but the run is on {device.type}; use float8='none'.")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < _MIN_CAPABILITY:
-        raise ValueError(f"float8={recipe!r} needs compute capability >= 8.9, but {torch.cuda.get_device_name(device)} "
-                         f"has {capability[0]}.{capability[1]}; use float8='none'.")
+    check_gpu_capability(device, _MIN_CAPABILITY, f"float8={recipe!r}", "H100, H200, L40, B200...",
+                         "use float8='none'")
 
 
 def apply_float8(model: nn.Module, recipe: str, skip: tuple[str, ...], fsdp_all_gather: bool) -> int:
