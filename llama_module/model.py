@@ -18,9 +18,14 @@ from torch import Tensor, nn
 from llama_module.args import LlamaConfig, RopeScaling
 from titan_strategy.kernels.flash_attention4 import flash_attention4
 
-__all__ = ["ATTENTION_KERNELS", "Llama", "ParamFiller", "fill_in_place", "rope_table"]
+__all__ = ["Llama", "ParamFiller", "check_attention_kernel", "fill_in_place", "rope_table"]
 
 ATTENTION_KERNELS = ("sdpa", "fa4")
+
+
+def check_attention_kernel(kernel: str) -> None:
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel={kernel!r} must be one of {list(ATTENTION_KERNELS)}.")
 
 Initializer = Callable[[Tensor], None]
 ParamFiller = Callable[[nn.Parameter, Initializer], None]
@@ -112,8 +117,7 @@ class CausalSDPA(nn.Module):
 
     def __init__(self, kernel: str = "sdpa") -> None:
         super().__init__()
-        if kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"attention_kernel={kernel!r} must be one of {list(ATTENTION_KERNELS)}.")
+        check_attention_kernel(kernel)
         self.kernel = kernel
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:

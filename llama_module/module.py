@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llama_module.args import LlamaConfig, get_flavor
-from llama_module.model import ATTENTION_KERNELS, Llama
+from llama_module.model import Llama, check_attention_kernel
 from llama_module.plan import llama_plan
 from titan_strategy.kernels.flash_attention4 import check_flash_attention4
 from titan_strategy.plan import ParallelPlan
@@ -52,8 +52,7 @@ class LlamaModule(L.LightningModule):
             if isinstance(model, dict) else model
         overrides = {k: v for k, v in {"vocab_size": vocab_size, "max_seq_len": max_seq_len}.items() if v is not None}
         self.config = dataclasses.replace(config, **overrides)
-        if attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"attention_kernel={attention_kernel!r} must be one of {list(ATTENTION_KERNELS)}.")
+        check_attention_kernel(attention_kernel)
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and min_lr_ratio={min_lr_ratio} in [0, 1].")
         # Plain values only, so checkpoints load with torch.load(weights_only=True).

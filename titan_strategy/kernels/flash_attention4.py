@@ -63,6 +63,7 @@ def _(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("titan::flash_attention4_backward", mutates_args=())
 def _flash_attention4_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
                                lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    query, key, value, grad_out = (t.contiguous() for t in (query, key, value, grad_out))
     grad_query, grad_key, grad_value = _fa4()._flash_attn_bwd(query, key, value, out, grad_out, lse,
                                                               causal=True)[:3]
     return grad_query, grad_key, grad_value
@@ -81,7 +82,7 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[Tenso
 
 def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple:
     query, key, value, out, lse = ctx.saved_tensors
-    return _flash_attention4_backward(grad_out.contiguous(), query, key, value, out, lse)
+    return _flash_attention4_backward(grad_out, query, key, value, out, lse)
 
 
 flash_attention4.register_autograd(_backward, setup_context=_setup_context)
