@@ -28,8 +28,7 @@ def main() -> None:
         for index, plan in enumerate(plans[:3], start=1):
             print(f"  top {index}: {describe(plan.layout)}: {plan.estimate.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
                   f"{plan.estimate.memory_gib:.1f} GiB")
-        # The paper's own recipe is estimated as it ran, even where TitanStrategy does not run it yet (float8
-        # with TP): the comparison is with its measured numbers. The ranking is by degrees and schedule.
+        # The paper's own layout with its recipe, against its measured numbers; ranked by degrees and schedule.
         ours = estimate(run.shape, paper, job)
         same_degrees = [i for i, plan in enumerate(plans, start=1) if _degrees(plan.layout) == _degrees(paper)]
         rank = same_degrees[0] if same_degrees else f"> {len(plans)}"

@@ -53,3 +53,25 @@ def test_float8_trains_like_bf16_on_cuda(recipe: str, tmp_path: Path, test_env: 
     assert float8_loss[-1] < float8_loss[0] - 0.3, float8_loss
     for a, b in zip(float8_loss, bf16_loss):
         assert a == pytest.approx(b, rel=5e-2), (float8_loss, bf16_loss)
+
+
+@pytest.mark.parametrize(("recipe", "devices", "strategy"), [
+    ("tensorwise", 2, {"tensor_parallel_size": 2}),
+    ("rowwise", 2, {"tensor_parallel_size": 2}),
+    # FSDP shards the float8 weights and all-gathers them in float8, with the scales precomputed after each step.
+    ("tensorwise", 4, {"data_parallel_shard_size": 2, "tensor_parallel_size": 2}),
+], ids=["tp2-tensorwise", "tp2-rowwise", "fsdp2xtp2-tensorwise"])
+def test_float8_with_tensor_parallel_matches_one_process(recipe: str, devices: int, strategy: dict,
+                                                          tmp_path: Path, test_env: dict[str, str]) -> None:
+    # On CPU, where torchao's float8 matmuls also run: TP and FSDP must not change what float8 computes. The
+    # global batch is the same (8 sequences per data-parallel rank, 2 ranks under FSDP x TP).
+    spec = {"steps": 4, "clip": 1.0, "float8_on_cpu": True, "timeout_seconds": 120}
+    dp = devices // strategy["tensor_parallel_size"]
+    one = launch(1, {**spec, "batch_size": 8 * dp, "strategy": {"float8": recipe}}, tmp_path / "one", test_env)[0]
+    many = launch(devices, {**spec, "batch_size": 8, "strategy": {**strategy, "float8": recipe}}, tmp_path / "many",
+                  test_env)
+    bf16 = launch(1, {**spec, "batch_size": 8 * dp}, tmp_path / "bf16", test_env)[0]
+    one_loss = _series(one, "train_loss")
+    assert one_loss != _series(bf16, "train_loss")  # float8 matmuls really ran
+    for record in many:
+        assert _series(record, "train_loss") == pytest.approx(one_loss, rel=1e-4, abs=1e-5)

@@ -46,7 +46,6 @@ def test_bad_layout_fails_in_trainer_init_without_launching_or_writing(strategy:
     ({"activation_checkpointing": "selective_layer", "activation_checkpointing_every": 0},
      r"activation_checkpointing_every=0 must be >= 1"),
     ({"float8": "blockwise"}, r"float8='blockwise' must be one of \['none', 'tensorwise', 'rowwise'\]"),
-    ({"float8": "rowwise", "tensor_parallel_size": 2}, r"float8='rowwise' with tensor_parallel_size=2 is not supported"),
 ])
 def test_bad_knobs_fail_at_construction(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -9,7 +9,7 @@ from titan_strategy.parallelize.context_parallel import ROTATE_METHODS
 from titan_strategy.parallelize.float8 import FLOAT8_RECIPES
 from titan_strategy.pipeline.layout import ZERO_BUBBLE_SCHEDULES, PipelineConfig
 
-__all__ = ["check_knobs", "compiled_zero_bubble_problem", "float8_tensor_parallel_problem"]
+__all__ = ["check_knobs", "compiled_zero_bubble_problem"]
 
 _RESHARD_POLICIES = ("default", "always", "never")
 # Measured on CPU/gloo: compiled tensor-parallel blocks get gradients ~1% off the eager ones on torch
@@ -29,10 +29,9 @@ def check_knobs(*, reshard: str, timeout_seconds: float, compile: bool, compile_
     check_ac(activation_checkpointing, activation_checkpointing_every)
     if float8 not in FLOAT8_RECIPES:
         raise ValueError(f"float8={float8!r} must be one of {list(FLOAT8_RECIPES)}.")
-    for problem in (float8_tensor_parallel_problem(float8, tensor_parallel_size),
-                    compiled_zero_bubble_problem(compile, pipeline.size, pipeline.schedule)):
-        if problem:
-            raise ValueError(problem)
+    problem = compiled_zero_bubble_problem(compile, pipeline.size, pipeline.schedule)
+    if problem:
+        raise ValueError(problem)
     if timeout_seconds <= 0:
         raise ValueError(f"timeout_seconds={timeout_seconds!r} must be > 0.")
     for name, on in (("compile", compile), ("compile_loss", compile_loss)):
@@ -47,15 +46,7 @@ def check_knobs(*, reshard: str, timeout_seconds: float, compile: bool, compile_
                          "compiled blocks. Set compile=True, or async_tensor_parallel=False.")
 
 
-# The two rules below are also the capacity planner's (a layout it proposes must be one the strategy runs).
-def float8_tensor_parallel_problem(float8: str, tensor_parallel_size: int) -> str | None:
-    if float8 != "none" and tensor_parallel_size > 1:
-        return (f"float8={float8!r} with tensor_parallel_size={tensor_parallel_size} is not supported yet (float8 "
-                "tensor-parallel styles are not validated without several GPUs); use float8='none' or "
-                "tensor_parallel_size=1.")
-    return None
-
-
+# Also the capacity planner's rule (a layout it proposes must be one the strategy runs).
 def compiled_zero_bubble_problem(compile: bool, pipeline_parallel_size: int, schedule: str | None) -> str | None:
     if compile and pipeline_parallel_size > 1 and schedule in ZERO_BUBBLE_SCHEDULES:
         return (f"pipeline_schedule={schedule!r} splits backward into input- and weight-gradient passes, which torch "

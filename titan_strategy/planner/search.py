@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from titan_strategy.knobs import compiled_zero_bubble_problem, float8_tensor_parallel_problem
+from titan_strategy.knobs import compiled_zero_bubble_problem
 from titan_strategy.planner.estimate import AC_MODES, Estimate, Job, Layout, ModelShape, estimate
 
 __all__ = ["Plan", "PlanError", "check_layout", "describe", "explain", "layout_problems", "plan_layouts",
@@ -19,8 +19,6 @@ __all__ = ["Plan", "PlanError", "check_layout", "describe", "explain", "layout_p
 # Schedules the planner proposes; the others (GPipe, LoopedBFS, InterleavedZeroBubble, DualPipeV) are
 # accepted by --check but never beat these in the model.
 PROPOSED_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
-# The float8 recipe the planner's float8 layouts stand for (its speed-up was measured with it).
-FLOAT8_RECIPE = "tensorwise"
 _STAGES_PER_RANK = {"1F1B": 1, "GPipe": 1, "ZBVZeroBubble": 2, "DualPipeV": 2}
 
 
@@ -66,8 +64,9 @@ def layout_problems(shape: ModelShape, layout: Layout, job: Job) -> list[str]:
         problems.append(f"{layout.schedule} needs at least pp={layout.pp} microbatches, not {layout.microbatches}")
     if layout.float8 and not job.gpu.float8:
         problems.append(f"{job.gpu.name} has no float8 tensor cores")
-    problems += filter(None, (float8_tensor_parallel_problem(FLOAT8_RECIPE if layout.float8 else "none", layout.tp),
-                              compiled_zero_bubble_problem(job.compiled_blocks, layout.pp, layout.schedule)))
+    zero_bubble = compiled_zero_bubble_problem(job.compiled_blocks, layout.pp, layout.schedule)
+    if zero_bubble:
+        problems.append(zero_bubble)
     return problems
 
 
