@@ -15,11 +15,12 @@ Hopper and Blackwell) is timed too, on (batch, seq, heads, head_dim) inputs with
 from __future__ import annotations
 
 import argparse
-import importlib.util
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from titan_strategy.kernels.flash_attention4 import flash_attention4_installed
 
 SHAPES = {"1B": (2, 32, 8, 8192, 64), "8B": (1, 32, 8, 8192, 128)}  # batch, q heads, kv heads, seq, head_dim
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -82,7 +83,7 @@ def main() -> None:
                 ms = _time_ms(lambda: _run(backend, q, k, v, grad, gqa), args.iters)
                 print(f"| {shape_name} | {name} | {'native' if gqa else 'expanded'} | {ms:.2f} | "
                       f"{flops / ms / 1e9:.0f} | {diffs} |", flush=True)
-        if importlib.util.find_spec("flash_attn") and importlib.util.find_spec("flash_attn.cute"):
+        if flash_attention4_installed():
             _time_fa4(shape_name, q, k, v, grad, reference, flops, args.iters)
 
 

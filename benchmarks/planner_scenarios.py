@@ -10,13 +10,8 @@ them) are in ``llama_module/paper_runs.py``.
 from __future__ import annotations
 
 from llama_module.paper_runs import PAPER_RUNS
-from titan_strategy.planner.estimate import Layout, estimate
-from titan_strategy.planner.search import Plan, describe, plan_layouts, ranking_score
-
-
-def _degrees(layout: Layout) -> tuple:
-    """What a planner row stands for: the degrees and schedule (its HSDP split, AC and float8 are its best choice)."""
-    return layout.dp, layout.tp, layout.cp, layout.pp, layout.schedule
+from titan_strategy.planner.estimate import estimate
+from titan_strategy.planner.search import Plan, describe, plan_layouts, ranking_score, row_key
 
 
 def main() -> None:
@@ -30,7 +25,7 @@ def main() -> None:
                   f"{plan.estimate.memory_gib:.1f} GiB")
         # The paper's own layout with its recipe, against its measured numbers; ranked by degrees and schedule.
         ours = estimate(run.shape, paper, job)
-        same_degrees = [i for i, plan in enumerate(plans, start=1) if _degrees(plan.layout) == _degrees(paper)]
+        same_degrees = [i for i, plan in enumerate(plans, start=1) if row_key(plan.layout) == row_key(paper)]
         rank = same_degrees[0] if same_degrees else f"> {len(plans)}"
         print(f"  paper layout, rank {rank} (by degrees and schedule): {describe(paper)}")
         print(f"    speed {ours.tokens_per_s_per_gpu:,.0f} tokens/s/GPU (paper {run.tokens_per_s_per_gpu:,.0f}, "

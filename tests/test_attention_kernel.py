@@ -3,7 +3,6 @@ where it cannot run."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from llama_module import LlamaModule
 from tests.conftest import launch
 from tests.test_parity import _series
-from titan_strategy.kernels.flash_attention4 import flash_attention4
+from titan_strategy.kernels.flash_attention4 import flash_attention4, flash_attention4_installed
 
 
 def test_an_unknown_kernel_is_refused_with_the_choices() -> None:
@@ -42,8 +41,7 @@ def test_the_op_has_shapes_for_compile_without_running_the_kernel() -> None:
 
 
 def _fa4_gpu() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0) and \
-        importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute") is not None
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0) and flash_attention4_installed()
 
 
 @pytest.mark.skipif(not _fa4_gpu(), reason="needs a Hopper or Blackwell GPU and the flash-attn-4 package")

@@ -21,17 +21,23 @@ from torch import Tensor
 
 from titan_strategy.gpu import check_gpu_capability
 
-__all__ = ["check_flash_attention4", "flash_attention4"]
+__all__ = ["check_flash_attention4", "flash_attention4", "flash_attention4_installed"]
 
 _FA4_PACKAGE = "flash-attn-4==4.0.0b36"
 _MIN_CAPABILITY = (9, 0)  # FA4 has kernels for SM 9.0 (Hopper) and SM 10.x (Blackwell)
+
+
+def flash_attention4_installed() -> bool:
+    # flash-attn 2 is also imported as flash_attn, but has no cute subpackage.
+    return importlib.util.find_spec("flash_attn") is not None and \
+        importlib.util.find_spec("flash_attn.cute") is not None
 
 
 def check_flash_attention4(device: torch.device) -> None:
     """Raise ``ValueError`` naming the fix if FA4 cannot run on ``device``; before any model work."""
     check_gpu_capability(device, _MIN_CAPABILITY, "attention_kernel='fa4'", "Hopper or Blackwell: H100, H200, B200",
                          "use attention_kernel='sdpa'")
-    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+    if not flash_attention4_installed():
         raise ValueError(f"attention_kernel='fa4' needs the flash-attn-4 package: pip install '{_FA4_PACKAGE}' "
                          "(or this project's [fa4] extra); or use attention_kernel='sdpa'.")
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from titan_strategy.kernels.flash_attention4 import flash_attention4
+import titan_strategy.kernels.flash_attention4  # noqa: F401 -- registers torch.ops.titan.flash_attention4
 
 __all__ = ["AC_MODES", "apply_ac", "check_ac"]
 
@@ -33,7 +33,7 @@ _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
 _ATTENTION = {getattr(_aten, name).default for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-) if hasattr(_aten, name)} | {flash_attention4._opoverload}
+) if hasattr(_aten, name)} | {torch.ops.titan.flash_attention4.default}
 # Float8 matmuls count as matmuls when torchao's float8 training is on.
 if hasattr(_aten, "_scaled_mm"):
     _MATMULS.add(_aten._scaled_mm.default)

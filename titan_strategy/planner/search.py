@@ -14,7 +14,7 @@ from titan_strategy.knobs import compiled_zero_bubble_problem
 from titan_strategy.planner.estimate import AC_MODES, Estimate, Job, Layout, ModelShape, estimate
 
 __all__ = ["Plan", "PlanError", "check_layout", "describe", "explain", "layout_problems", "plan_layouts",
-           "ranking_score"]
+           "ranking_score", "row_key"]
 
 # Schedules the planner proposes; the others (GPipe, LoopedBFS, InterleavedZeroBubble, DualPipeV) are
 # accepted by --check but never beat these in the model.
@@ -179,8 +179,7 @@ def plan_layouts(shape: ModelShape, job: Job, top: int = 10) -> list[Plan]:
     # near-copies would push the other layouts out of view.
     best: dict[tuple, Plan] = {}
     for plan in plans:
-        layout = plan.layout
-        best.setdefault((layout.dp, layout.tp, layout.cp, layout.pp, layout.schedule), plan)
+        best.setdefault(row_key(plan.layout), plan)
     return list(best.values())[:top]
 
 
@@ -190,6 +189,11 @@ CP_MIN_SEQ_LEN = 16384
 # Each parallel dimension beyond FSDP must promise this much more speed to rank above a layout without
 # it: the estimates are good to some percent, and every dimension adds its own failure modes.
 DIMENSION_MARGIN = 0.05
+
+
+def row_key(layout: Layout) -> tuple:
+    """What one row of the ranking stands for: the parallel degrees and the schedule."""
+    return layout.dp, layout.tp, layout.cp, layout.pp, layout.schedule
 
 
 def ranking_score(plan: Plan) -> float:
