@@ -6,7 +6,7 @@
 
 Each row runs in a fresh process. In it, a plain PyTorch loop trains the same recipe first (when the row
 asks for a reference): the model parallelized by the same ``titan_strategy.parallelize`` call, the
-same data loader, fused AdamW, clipping at 1.0, an LR warm-up, no Lightning. Then Lightning
+same data loader, the module's AdamW and LR schedule, clipping at 1.0, no Lightning. Then Lightning
 trains it through TitanStrategy. Both are timed over the same steps after warm-up, so their ratio is
 what Lightning and the strategy's hooks cost, measured side by side.
 
@@ -148,7 +148,7 @@ def _module(row: dict[str, Any]) -> LlamaModule:
     if row["n_layers"] is not None:
         config = dataclasses.replace(config, n_layers=row["n_layers"])
     return LlamaModule(model=dataclasses.replace(config, max_seq_len=max(row["seq_len"], 2048)), warmup_steps=10,
-                       decay_steps=1000, attention_kernel=row["attention_kernel"])
+                       decay_steps=1000, attention_kernel=row["attention_kernel"], adamw=row["adamw"])
 
 
 def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
@@ -166,8 +166,8 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
     model = parallelized.parts[0]
     assert not parallelized.sharded, "one GPU: the recipe runs under autocast, as the strategy's does"
     loss_fn = torch.compile(module.compute_loss) if row["compile_loss"] else module.compute_loss
-    optimizer = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min((step + 1) / 11, 1.0))
+    schedule = module.configure_optimizers()  # the module's AdamW kernel and LR schedule
+    optimizer, scheduler = schedule["optimizer"], schedule["lr_scheduler"]["scheduler"]
     start, done = 0.0, 0
     profile = KernelProfile("plain loop", row["warmup"]) if row["profile"] else None
     for step, batch in enumerate(_loader(row, module.config.vocab_size), start=1):
@@ -246,7 +246,7 @@ def run_row(row: dict[str, Any]) -> dict[str, Any]:
 
 def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     common = {"seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "profile": args.profile,
-              "attention_kernel": args.attention_kernel}
+              "attention_kernel": args.attention_kernel, "adamw": args.adamw}
     if args.matrix is None:
         shape = {"flavor": args.flavor, "n_layers": args.n_layers, "batch_size": args.batch_size}
         return [{**shape, **common, "compile": args.compile, "compile_loss": args.compile_loss, "ac": args.activation_checkpointing,
@@ -259,9 +259,9 @@ def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = ["| shape | attention | compile | compiled loss | AC | float8 | tokens/s | MFU | "
+    lines = ["| shape | attention | AdamW | compile | compiled loss | AC | float8 | tokens/s | MFU | "
              "peak alloc / reserved GiB | plain loop tokens/s | Lightning / plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         run, plain = r["lightning"], r.get("plain")
         shape = r["flavor"] if r["n_layers"] is None else f"{r['flavor']} width x {r['n_layers']} layers"
@@ -269,7 +269,7 @@ def _table(results: list[dict[str, Any]]) -> str:
         memory = f"{run['peak_memory_gib']} / {run.get('peak_reserved_gib', '—')}"
         reference = "—" if plain is None else "OOM" if plain.get("oom") else f"{plain['tokens_per_s']:,}"
         ratio = f"{r['lightning_vs_plain']:.3f}" if "lightning_vs_plain" in r else "—"
-        lines.append(f"| {shape} | {r['attention_kernel']} | {'yes' if r['compile'] else 'no'} | "
+        lines.append(f"| {shape} | {r['attention_kernel']} | {r['adamw']} | {'yes' if r['compile'] else 'no'} | "
                      f"{'yes' if r['compile_loss'] else 'no'} | "
                      f"{r['ac']} | {r['float8']} | {speed} | {memory} | {reference} | {ratio} |")
     return "\n".join(lines)
@@ -301,6 +301,8 @@ def main() -> None:
     parser.add_argument("--float8", default="none", choices=["none", "tensorwise", "rowwise"])
     parser.add_argument("--attention-kernel", default="sdpa", choices=["sdpa", "fa4"],
                         help="LlamaModule(attention_kernel=...): torch's SDPA, or FlashAttention-4")
+    parser.add_argument("--adamw", default="auto", choices=["auto", "triton", "fused", "foreach"],
+                        help="LlamaModule(adamw=...): the AdamW kernel; auto is triton on CUDA")
     parser.add_argument("--reference", action="store_true", help="also run the plain-loop reference")
     parser.add_argument("--results", type=Path, help="append a dated section with the table to this Markdown file")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row's JSON, run in this process

@@ -95,21 +95,22 @@ def test_loss_and_grad_norm_match_single_process(nproc: int, strategy: dict, sin
     _assert_identical_on_all_ranks(records)
     _assert_identical_on_all_ranks(records, "grad_norm")
     _assert_close_per_step(_series(records[0], "train_loss"), _series(single_process, "train_loss"))
-    # The norms stay below the clip (1.0) here: test_fused_adamw_clips_... runs with clipping active.
+    # The norms stay below the clip (1.0) here: test_adamw_kernels_clip_... runs with clipping active.
     _assert_close_per_step(_series(records[0], "grad_norm"), _series(single_process, "grad_norm"))
 
 
 CLIP_BELOW_THE_NORMS = 0.5  # this model's gradient norms are 0.6-0.8 over the run
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["single-device", "fsdp2"])
-def test_fused_adamw_clips_by_its_grad_scale_like_a_clipping_pass(nproc: int, tmp_path: Path,
-                                                                  test_env: dict[str, str]) -> None:
-    # The fused kernel divides the gradients by the clip scale as it reads them; the reference run
-    # (foreach AdamW, one process) clips them in a pass of its own first.
+@pytest.mark.parametrize(("nproc", "adamw"), [(1, "fused"), (2, "fused"), (2, "triton")],
+                         ids=["single-device-fused", "fsdp2-fused", "fsdp2-triton"])
+def test_adamw_kernels_clip_by_their_grad_scale_like_a_clipping_pass(nproc: int, adamw: str, tmp_path: Path,
+                                                                     test_env: dict[str, str]) -> None:
+    # torch's fused kernel and TritonAdamW (here on FSDP2's DTensor shards) divide the gradients by the clip
+    # scale as they read them; the reference run (foreach AdamW, one process) clips them in a pass of its own first.
     spec = {"steps": STEPS, "clip": CLIP_BELOW_THE_NORMS}
     reference = launch(1, {**spec, "batch_size": GLOBAL_BATCH}, tmp_path / "foreach", test_env)[0]
-    records = launch(nproc, {**spec, "batch_size": GLOBAL_BATCH // nproc, "fused_adamw": True}, tmp_path, test_env)
+    records = launch(nproc, {**spec, "batch_size": GLOBAL_BATCH // nproc, "adamw": adamw}, tmp_path, test_env)
     norms = _series(records[0], "grad_norm")
     assert all(norm > CLIP_BELOW_THE_NORMS for norm in norms), f"clipping was not active at every step: {norms}"
     _assert_close_per_step(norms, _series(reference, "grad_norm"))

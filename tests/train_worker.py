@@ -290,7 +290,7 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     )
     module_cls = SelfShardedLlama if spec.get("self_sharded") else \
         DefaultPipelineLoss if spec.get("default_pipeline_loss") else LlamaModule
-    model_args = dict(lr=spec.get("lr", 3e-3), warmup_steps=2, decay_steps=100, fused_adamw=spec.get("fused_adamw"),
+    model_args = dict(lr=spec.get("lr", 3e-3), warmup_steps=2, decay_steps=100, adamw=spec.get("adamw", "auto"),
                       attention_kernel=spec.get("attention_kernel", "sdpa"))
     if spec.get("data") == "text":
         model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "vocab_size": 8448}), **model_args)

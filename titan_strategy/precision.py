@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from titan_strategy.grad_norm import clip_grad_norm_, total_grad_norm
+from titan_strategy.kernels.adamw import TritonAdamW
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -65,8 +66,8 @@ class TitanPrecision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if _divides_gradients_as_it_reads_them(optimizer):
-            # Fused Adam(W) divides each gradient by its `grad_scale` as it reads it (what GradScaler uses):
-            # clipping by that scale saves a read and write of every gradient. torch clips by
+            # Fused Adam(W) and TritonAdamW divide each gradient by `grad_scale` as they read it (what
+            # GradScaler uses): clipping by that scale saves a read and write of every gradient. torch clips by
             # max_norm / (norm + 1e-6) where that is below 1; the scale is its reciprocal.
             total_norm = total_grad_norm(_parameters(optimizer), group=self.grad_norm_group)
             optimizer.grad_scale = torch.clamp((total_norm.float() + 1e-6) / float(clip_val), min=1.0)
@@ -101,7 +102,7 @@ class TitanPrecision(Precision):
 def _divides_gradients_as_it_reads_them(optimizer: Optimizer) -> bool:
     fused = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
         group.get("fused") for group in optimizer.param_groups)
-    return fused and getattr(optimizer, "grad_scale", None) is None
+    return (fused or isinstance(optimizer, TritonAdamW)) and getattr(optimizer, "grad_scale", None) is None
 
 
 def _parameters(optimizer: Optimizer) -> list[torch.nn.Parameter]:

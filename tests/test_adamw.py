@@ -1,0 +1,97 @@
+"""TritonAdamW: the same updates and state as torch's AdamW. On CUDA the updates run in its Triton kernel; on
+the CPU in torch's ops (the path for tensors the kernel does not take)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from llama_module import LlamaModule
+from titan_strategy.kernels.adamw import TritonAdamW
+
+SHAPES = [(48, 16), (16,), (80, 16), (8, 16)]
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+def _parameters(device: str) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in SHAPES]
+
+
+def _give_gradients(step: int, *param_sets: list[torch.nn.Parameter]) -> None:
+    generator = torch.Generator().manual_seed(100 + step)
+    for index, shape in enumerate(SHAPES):
+        grad = torch.randn(shape, generator=generator)
+        for params in param_sets:
+            # The second parameter gets no gradient at step 2: AdamW skips it, and its step count lags.
+            params[index].grad = None if (index, step) == (1, 2) else grad.to(params[index].device, copy=True)
+
+
+def _step_both(ours: TritonAdamW, reference: torch.optim.AdamW, schedulers: list, step: int) -> None:
+    if step == 3:  # clipping by the fused kernels' grad_scale: the reference gets the gradients pre-divided
+        ours.grad_scale = torch.tensor(4.0, device=ours.param_groups[0]["params"][0].device)
+        for param in reference.param_groups[0]["params"]:
+            if param.grad is not None:
+                param.grad /= 4.0
+    ours.step()
+    reference.step()
+    if step == 3:
+        del ours.grad_scale
+    for scheduler in schedulers:
+        scheduler.step()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_updates_match_torch_adamw_as_the_lr_changes(device: str) -> None:
+    ours_params, reference_params = _parameters(device), _parameters(device)
+    ours, reference = TritonAdamW(ours_params, **HYPER), torch.optim.AdamW(reference_params, **HYPER)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: (step + 1) / 6) for opt in (ours, reference)]
+    for step in range(6):
+        _give_gradients(step, ours_params, reference_params)
+        _step_both(ours, reference, schedulers, step)
+        for a, b in zip(ours_params, reference_params):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert ours.state[ours_params[1]]["step"].item() == 5.0  # no gradient at step 2
+    for a, b in zip(ours.state.values(), reference.state.values()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7)
+
+
+def test_its_state_loads_into_torch_adamw_and_back() -> None:
+    ours_params, reference_params = _parameters("cpu"), _parameters("cpu")
+    ours = TritonAdamW(ours_params, **HYPER)
+    for step in range(2):
+        _give_gradients(step, ours_params)
+        ours.step()
+    torch_adamw = torch.optim.AdamW(reference_params, **HYPER)
+    with torch.no_grad():
+        for a, b in zip(reference_params, ours_params):
+            a.copy_(b)
+    # Copies, as a checkpoint's round trip would make them (load_state_dict may keep the very tensors).
+    torch_adamw.load_state_dict(copy.deepcopy(ours.state_dict()))
+    back = TritonAdamW(ours_params, **HYPER)
+    back.load_state_dict(copy.deepcopy(torch_adamw.state_dict()))
+    assert all(state["step"].device.type == "cpu" for state in back.state.values())
+    for step in range(2, 4):
+        _give_gradients(step, ours_params, reference_params)
+        back.step()
+        torch_adamw.step()
+        for a, b in zip(ours_params, reference_params):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_amsgrad_is_refused_with_the_fix() -> None:
+    params = _parameters("cpu")
+    optimizer = TritonAdamW(params, **HYPER)
+    optimizer.param_groups[0]["amsgrad"] = True
+    _give_gradients(0, params)
+    with pytest.raises(ValueError, match="TritonAdamW implements neither amsgrad nor maximize: set both to False"):
+        optimizer.step()
+
+
+def test_llama_module_refuses_an_unknown_adamw_kernel() -> None:
+    with pytest.raises(ValueError, match=r"adamw='apex' must be one of \['auto', 'triton', 'fused', 'foreach'\]"):
+        LlamaModule(adamw="apex")

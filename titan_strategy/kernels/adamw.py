@@ -1,0 +1,138 @@
+"""AdamW whose update of each parameter is one Triton kernel.
+
+The update reads a parameter, its gradient and both moments and writes the parameter and moments back:
+28 bytes per fp32 value, a pure memory-bandwidth job. On an H200, torch's fused AdamW (``fused=True``)
+moves the Llama-3.2-1B shape's 42 GB per step at 2.8 TB/s (15.1 ms); this kernel, launched once per
+parameter, at 4.0 TB/s (10.6 ms; ``benchmarks/optimizer_step.py``, benchmarks/RESULTS.md, issue #8).
+
+``TritonAdamW`` is a ``torch.optim.AdamW``: same hyper-parameters, same state (``step``, ``exp_avg``,
+``exp_avg_sq``, with ``step`` on the CPU as in torch's default implementation), so its checkpoints load
+into torch's AdamW and back. Like the fused one, it divides each gradient by ``optimizer.grad_scale``
+where that is set, which is how TitanStrategy's precision plugin clips gradients without a pass of its
+own. Parameters may be DTensors (FSDP2, TP): AdamW is elementwise, so each rank updates its local shard.
+Tensors the kernel does not take (off CUDA, not fp32, not contiguous) are updated by torch's ops, with
+the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+__all__ = ["TritonAdamW"]
+
+
+def _adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad_scale: Tensor | None,
+                  lr: float, weight_decay: float, beta1: float, beta2: float, eps: float, step_size: float,
+                  bias_correction2_sqrt: float) -> None:
+    """One parameter's update: the Triton kernel where it takes the tensors, else torch's AdamW arithmetic in
+    torch's order (which the kernel follows)."""
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    if param.is_cuda and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and \
+            _triton_kernel() is not None:
+        _launch(param, grad, exp_avg, exp_avg_sq, grad_scale, lr, weight_decay, beta1, beta2, eps, step_size,
+                bias_correction2_sqrt)
+        return
+    if grad_scale is not None:
+        grad = grad / grad_scale
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+_BLOCK, _NUM_WARPS = 1024, 4  # elements per program: 8 fp32 values of each tensor per thread
+
+
+@functools.cache
+def _triton_kernel() -> Any:
+    """The update as one Triton kernel (each tensor read once, written once), or None without Triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_ptr, numel, lr, weight_decay,
+                     beta1, beta2, eps, step_size, bias_correction2_sqrt, HAS_GRAD_SCALE: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        param = tl.load(param_ptr + offsets, mask=mask)
+        grad = tl.load(grad_ptr + offsets, mask=mask)
+        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
+        if HAS_GRAD_SCALE:
+            grad = grad / tl.load(grad_scale_ptr)
+        param = param * (1 - lr * weight_decay)
+        exp_avg = exp_avg + (1 - beta1) * (grad - exp_avg)
+        exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * grad * grad
+        denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+        param = param - step_size * (exp_avg / denom)
+        tl.store(param_ptr + offsets, param, mask=mask)
+        tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+
+    return adamw_kernel
+
+
+def _launch(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad_scale: Tensor | None,
+            *hyper: float) -> None:
+    numel = param.numel()
+    _triton_kernel()[((numel + _BLOCK - 1) // _BLOCK,)](
+        param, grad, exp_avg, exp_avg_sq, grad_scale if grad_scale is not None else param, numel, *hyper,
+        HAS_GRAD_SCALE=grad_scale is not None, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` (decoupled weight decay, no amsgrad) with one Triton kernel per parameter.
+
+    Args:
+        params: parameters or parameter groups.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``'s.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("TritonAdamW implements neither amsgrad nor maximize: set both to False, or use "
+                                 "torch.optim.AdamW.")
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["step"] += 1
+                local_param = _local(param)
+                if local_param.numel() == 0:  # a rank whose FSDP shard of this parameter is empty
+                    continue
+                step = state["step"].item()  # a CPU tensor: no wait on the GPU
+                _adamw_update(local_param, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                              grad_scale, group["lr"], group["weight_decay"], beta1, beta2, group["eps"],
+                              group["lr"] / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5)
+        return loss
