@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llama_module import LlamaModule
+from titan_strategy.kernels import adamw
 from titan_strategy.kernels.adamw import TritonAdamW
 
 SHAPES = [(48, 16), (16,), (80, 16), (8, 16)]
@@ -46,6 +47,8 @@ def _step_both(ours: TritonAdamW, reference: torch.optim.AdamW, schedulers: list
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_updates_match_torch_adamw_as_the_lr_changes(device: str) -> None:
+    if device == "cuda":
+        assert adamw._triton_kernel() is not None, "on CUDA this test is the Triton kernel's"
     ours_params, reference_params = _parameters(device), _parameters(device)
     ours, reference = TritonAdamW(ours_params, **HYPER), torch.optim.AdamW(reference_params, **HYPER)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: (step + 1) / 6) for opt in (ours, reference)]
@@ -81,6 +84,26 @@ def test_its_state_loads_into_torch_adamw_and_back() -> None:
         torch_adamw.step()
         for a, b in zip(ours_params, reference_params):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_float8_weights_are_updated_through_the_values_they_wrap() -> None:
+    # Under FSDP, torchao wraps each float8 weight's fp32 values in a subclass that has no data of its own:
+    # the update (the Triton kernel on CUDA) goes to the wrapped tensor, and the parameter sees it.
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    values = torch.randn(SHAPES[0], generator=torch.Generator().manual_seed(0))
+    wrapped = torch.nn.Parameter(WeightWithDynamicFloat8CastTensor(values.clone(), LinearMMConfig(),
+                                                                   torch.float8_e4m3fn))
+    plain = torch.nn.Parameter(values.clone())
+    assert adamw._values(wrapped).data_ptr() == wrapped._tensor.data_ptr()
+    ours, reference = TritonAdamW([wrapped], **HYPER), torch.optim.AdamW([plain], **HYPER)
+    for step in range(3):
+        wrapped.grad, plain.grad = (torch.full(SHAPES[0], 0.1 * (step + 1)) for _ in range(2))
+        ours.step()
+        reference.step()
+    assert not torch.equal(plain, values)
+    torch.testing.assert_close(wrapped._tensor, plain.detach(), rtol=1e-6, atol=1e-7)
 
 
 def test_amsgrad_is_refused_with_the_fix() -> None:

@@ -9,9 +9,10 @@ parameter, at 4.0 TB/s (10.6 ms; ``benchmarks/optimizer_step.py``, benchmarks/RE
 ``exp_avg_sq``, with ``step`` on the CPU as in torch's default implementation), so its checkpoints load
 into torch's AdamW and back. Like the fused one, it divides each gradient by ``optimizer.grad_scale``
 where that is set, which is how TitanStrategy's precision plugin clips gradients without a pass of its
-own. Parameters may be DTensors (FSDP2, TP): AdamW is elementwise, so each rank updates its local shard.
-Tensors the kernel does not take (off CUDA, not fp32, not contiguous) are updated by torch's ops, with
-the same arithmetic.
+own. Parameters may be DTensors (FSDP2, TP): AdamW is elementwise, so each rank updates its local shard;
+and inside torchao's float8 weights under FSDP, the fp32 values they wrap.
+Tensors the kernel does not take (off CUDA, not fp32, not contiguous) are updated by torch's ops, with the
+same arithmetic.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     """One parameter's update: the Triton kernel where it takes the tensors, else torch's AdamW arithmetic in
     torch's order (which the kernel follows)."""
     tensors = (param, grad, exp_avg, exp_avg_sq)
-    if param.is_cuda and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and \
+    if all(type(t) is Tensor and t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and \
             _triton_kernel() is not None:
         _launch(param, grad, exp_avg, exp_avg_sq, grad_scale, lr, weight_decay, beta1, beta2, eps, step_size,
                 bias_correction2_sqrt)
@@ -91,8 +92,18 @@ def _launch(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, gr
         HAS_GRAD_SCALE=grad_scale is not None, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _values(tensor: Tensor) -> Tensor:
+    """The plain tensor that holds this rank's values of ``tensor``, to update in place: a DTensor's local
+    shard, and inside a wrapper subclass (torchao's float8 weights under FSDP wrap their fp32 values) the one
+    tensor of the same shape and dtype it wraps."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    if type(tensor) is not Tensor and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        inner = getattr(tensor, names[0]) if len(names) == 1 else None
+        if inner is not None and (inner.shape, inner.dtype) == (tensor.shape, tensor.dtype):
+            return inner
+    return tensor
 
 
 class TritonAdamW(torch.optim.AdamW):
@@ -128,11 +139,11 @@ class TritonAdamW(torch.optim.AdamW):
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["step"] += 1
-                local_param = _local(param)
-                if local_param.numel() == 0:  # a rank whose FSDP shard of this parameter is empty
+                values = _values(param)
+                if values.numel() == 0:  # a rank whose FSDP shard of this parameter is empty
                     continue
                 step = state["step"].item()  # a CPU tensor: no wait on the GPU
-                _adamw_update(local_param, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                _adamw_update(values, _values(param.grad), _values(state["exp_avg"]), _values(state["exp_avg_sq"]),
                               grad_scale, group["lr"], group["weight_decay"], beta1, beta2, group["eps"],
                               group["lr"] / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5)
         return loss
