@@ -28,6 +28,8 @@ from torch.distributed.tensor import DTensor
 
 __all__ = ["TritonAdamW"]
 
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
 
 def _adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad_scale: Tensor | None,
                   lr: float, weight_decay: float, beta1: float, beta2: float, eps: float, step_size: float,
@@ -35,8 +37,9 @@ def _adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     """One parameter's update: the Triton kernel where it takes the tensors, else torch's AdamW arithmetic in
     torch's order (which the kernel follows)."""
     tensors = (param, grad, exp_avg, exp_avg_sq)
-    if all(type(t) is Tensor and t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() for t in tensors) and \
-            _triton_kernel() is not None:
+    # Parameters and plain tensors: other subclasses may not hold their values where their data pointer says.
+    if all(type(t) in _PLAIN_TYPES and t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() for t in tensors) \
+            and _triton_kernel() is not None:
         _launch(param, grad, exp_avg, exp_avg_sq, grad_scale, lr, weight_decay, beta1, beta2, eps, step_size,
                 bias_correction2_sqrt)
         return
