@@ -23,8 +23,8 @@ import torch
 
 from llama_module.args import get_flavor
 from llama_module.model import Llama
-from titan_strategy.grad_norm import clip_grad_norm_, total_grad_norm
-from titan_strategy.kernels.adamw import TritonAdamW
+from titan_strategy.grad_norm import clip_grad_norm_, clip_scale, total_grad_norm
+from titan_strategy.kernels.adamw import build_adamw
 
 BYTES_PER_PARAMETER = 28
 CLIP = 1.0
@@ -45,13 +45,6 @@ def _parameters(flavor: str, n_layers: int | None) -> list[torch.nn.Parameter]:
     return params
 
 
-def _optimizer(kernel: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    hyper = {"lr": 8e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
-    if kernel == "triton":
-        return TritonAdamW(params, **hyper)
-    return torch.optim.AdamW(params, **hyper, fused=kernel == "fused" or None, foreach=kernel == "foreach" or None)
-
-
 def _clip_and_schedule(kernel: str, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                        step: int) -> None:
     for group in optimizer.param_groups:
@@ -59,7 +52,7 @@ def _clip_and_schedule(kernel: str, optimizer: torch.optim.Optimizer, params: li
     if kernel == "foreach":
         clip_grad_norm_(params, max_norm=CLIP)
     else:
-        optimizer.grad_scale = torch.clamp((total_grad_norm(params) + 1e-6) / CLIP, min=1.0)
+        optimizer.grad_scale = clip_scale(total_grad_norm(params), CLIP)
 
 
 def main() -> None:
@@ -75,7 +68,7 @@ def main() -> None:
     for kernel in ("fused", "triton", "foreach"):
         params = _parameters(args.flavor, args.n_layers)
         numel = sum(p.numel() for p in params)
-        optimizer = _optimizer(kernel, params)
+        optimizer = build_adamw(params, kernel, torch.device("cuda"), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1)
         events, host_s = [], 0.0
         for step in range(3 + args.steps):
             _clip_and_schedule(kernel, optimizer, params, step)

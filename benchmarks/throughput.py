@@ -43,6 +43,7 @@ from llama_module.args import get_flavor
 from titan_strategy import ParallelDims, Throughput, TitanStrategy
 from titan_strategy.callbacks.throughput import peak_tflops_of
 from titan_strategy.grad_norm import clip_grad_norm_
+from titan_strategy.kernels.adamw import ADAMW_KERNELS
 from titan_strategy.mesh import build_mesh
 from titan_strategy.parallelize import ParallelizeConfig, parallelize
 from titan_strategy.pipeline.layout import PipelineConfig
@@ -301,7 +302,7 @@ def main() -> None:
     parser.add_argument("--float8", default="none", choices=["none", "tensorwise", "rowwise"])
     parser.add_argument("--attention-kernel", default="sdpa", choices=["sdpa", "fa4"],
                         help="LlamaModule(attention_kernel=...): torch's SDPA, or FlashAttention-4")
-    parser.add_argument("--adamw", default="auto", choices=["auto", "triton", "fused", "foreach"],
+    parser.add_argument("--adamw", default="auto", choices=ADAMW_KERNELS,
                         help="LlamaModule(adamw=...): the AdamW kernel; auto is triton on CUDA")
     parser.add_argument("--reference", action="store_true", help="also run the plain-loop reference")
     parser.add_argument("--results", type=Path, help="append a dated section with the table to this Markdown file")

@@ -14,7 +14,7 @@ from torch import Tensor
 from llama_module.args import LlamaConfig, get_flavor
 from llama_module.model import Llama, check_attention_kernel
 from llama_module.plan import llama_plan
-from titan_strategy.kernels.adamw import TritonAdamW
+from titan_strategy.kernels.adamw import ADAMW_KERNELS, build_adamw
 from titan_strategy.kernels.flash_attention4 import check_flash_attention4
 from titan_strategy.plan import ParallelPlan
 from titan_strategy.step_metrics import log_step_metric
@@ -22,7 +22,6 @@ from titan_strategy.step_metrics import log_step_metric
 __all__ = ["LlamaModule"]
 
 Batch = dict[str, Tensor]
-ADAMW_KERNELS = ("auto", "triton", "fused", "foreach")
 
 
 class LlamaModule(L.LightningModule):
@@ -137,10 +136,8 @@ class LlamaModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        kernel = self.adamw if self.adamw != "auto" else "triton" if self.device.type == "cuda" else "foreach"
-        hyper = {"lr": hp.lr, "betas": tuple(hp.betas), "eps": 1e-8, "weight_decay": hp.weight_decay}
-        optimizer = TritonAdamW(self.parameters(), **hyper) if kernel == "triton" else torch.optim.AdamW(
-            self.parameters(), **hyper, fused=kernel == "fused" or None, foreach=kernel == "foreach" or None)
+        optimizer = build_adamw(self.parameters(), self.adamw, self.device, lr=hp.lr, betas=tuple(hp.betas), eps=1e-8,
+                                weight_decay=hp.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(hp.warmup_steps, self._decay_steps()))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

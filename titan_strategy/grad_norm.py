@@ -55,6 +55,13 @@ def total_grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0,
     return _norm_of(_by_mesh(parameters), norm_type, group)
 
 
+def clip_scale(total_norm: Tensor, max_norm: float) -> Tensor:
+    """What to divide the gradients by to clip them to ``max_norm``, for an optimizer that divides them by its
+    ``grad_scale`` as it reads them: torch clips by ``max_norm / (norm + 1e-6)`` where that is below 1, and
+    this is its reciprocal, at least 1. Computed on the device: no wait on the GPU."""
+    return torch.clamp((total_norm.float() + 1e-6) / float(max_norm), min=1.0)
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0,
                     group: ProcessGroup | None = None) -> Tensor:

@@ -13,7 +13,7 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from titan_strategy.grad_norm import clip_grad_norm_, total_grad_norm
+from titan_strategy.grad_norm import clip_grad_norm_, clip_scale, total_grad_norm
 from titan_strategy.kernels.adamw import TritonAdamW
 
 if TYPE_CHECKING:
@@ -67,10 +67,9 @@ class TitanPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if _divides_gradients_as_it_reads_them(optimizer):
             # Fused Adam(W) and TritonAdamW divide each gradient by `grad_scale` as they read it (what
-            # GradScaler uses): clipping by that scale saves a read and write of every gradient. torch clips by
-            # max_norm / (norm + 1e-6) where that is below 1; the scale is its reciprocal.
+            # GradScaler uses): clipping by that scale saves a read and write of every gradient.
             total_norm = total_grad_norm(_parameters(optimizer), group=self.grad_norm_group)
-            optimizer.grad_scale = torch.clamp((total_norm.float() + 1e-6) / float(clip_val), min=1.0)
+            optimizer.grad_scale = clip_scale(total_norm, clip_val)
             self._clip_scale_of = optimizer
         else:
             total_norm = clip_grad_norm_(_parameters(optimizer), max_norm=float(clip_val),

@@ -26,7 +26,9 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-__all__ = ["TritonAdamW"]
+__all__ = ["ADAMW_KERNELS", "TritonAdamW", "build_adamw"]
+
+ADAMW_KERNELS = ("auto", "triton", "fused", "foreach")
 
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
@@ -57,7 +59,8 @@ _BLOCK, _NUM_WARPS = 1024, 4  # elements per program: 8 fp32 values of each tens
 
 @functools.cache
 def _triton_kernel() -> Any:
-    """The update as one Triton kernel (each tensor read once, written once), or None without Triton."""
+    """The update as one Triton kernel (each tensor read once; parameter and moments written once), or None
+    without Triton."""
     if importlib.util.find_spec("triton") is None:
         return None
     import triton
@@ -90,7 +93,7 @@ def _triton_kernel() -> Any:
 def _launch(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad_scale: Tensor | None,
             *hyper: float) -> None:
     numel = param.numel()
-    _triton_kernel()[((numel + _BLOCK - 1) // _BLOCK,)](
+    _triton_kernel()[((numel + _BLOCK - 1) // _BLOCK,)](  # without a grad_scale, its pointer is never read
         param, grad, exp_avg, exp_avg_sq, grad_scale if grad_scale is not None else param, numel, *hyper,
         HAS_GRAD_SCALE=grad_scale is not None, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
 
@@ -150,3 +153,14 @@ class TritonAdamW(torch.optim.AdamW):
                               grad_scale, group["lr"], group["weight_decay"], beta1, beta2, group["eps"],
                               group["lr"] / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5)
         return loss
+
+
+def build_adamw(params: Iterable[Any], kernel: str, device: torch.device, **hyper: Any) -> torch.optim.AdamW:
+    """AdamW with ``hyper`` (lr, betas, eps, weight_decay), updated by ``kernel``, one of ``ADAMW_KERNELS``:
+    ``triton`` (``TritonAdamW``), torch's ``fused`` or ``foreach`` kernels, or ``auto``: triton on CUDA, foreach
+    elsewhere."""
+    if kernel == "auto":
+        kernel = "triton" if device.type == "cuda" else "foreach"
+    if kernel == "triton":
+        return TritonAdamW(params, **hyper)
+    return torch.optim.AdamW(params, **hyper, fused=kernel == "fused" or None, foreach=kernel == "foreach" or None)
