@@ -12,8 +12,8 @@ what Lightning and the strategy's hooks cost, measured side by side.
 
 Shapes: ``1B`` is the Llama-3.2-1B shape (dim 2048, 16 layers, untied output), seq 8192, batch 2;
 ``8B-width`` is Llama-3-8B's width (dim 4096, ffn 14336) with 16 layers, seq 8192, batch 1. Random
-tokens (the data path is not measured), bf16-mixed by autocast (on one GPU the strategy does not wrap
-the model in FSDP). MFU counts ``LlamaModule.flops_per_token`` (recomputation not counted) over the
+tokens (the data path is not measured), bf16-mixed (on one GPU the strategy does not wrap the model in
+FSDP: with TritonAdamW the weights are bf16 with fp32 masters, with torch's AdamW autocast casts them). MFU counts ``LlamaModule.flops_per_token`` (recomputation not counted) over the
 device's dense bf16 peak. A run that runs out of memory reports ``oom`` instead of failing.
 """
 
@@ -44,6 +44,7 @@ from titan_strategy import ParallelDims, Throughput, TitanStrategy
 from titan_strategy.callbacks.throughput import peak_tflops_of
 from titan_strategy.grad_norm import clip_grad_norm_
 from titan_strategy.kernels.adamw import ADAMW_KERNELS
+from titan_strategy.master_weights import hold_master_weights
 from titan_strategy.mesh import build_mesh
 from titan_strategy.parallelize import ParallelizeConfig, parallelize
 from titan_strategy.pipeline.layout import PipelineConfig
@@ -165,15 +166,17 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
                                float8=row["float8"], pipeline=PipelineConfig(size=1))
     parallelized = parallelize(module.parallel_plan(), build_mesh(dims, "cuda"), dims, config, device)
     model = parallelized.parts[0]
-    assert not parallelized.sharded, "one GPU: the recipe runs under autocast, as the strategy's does"
+    assert not parallelized.sharded, "one GPU: nothing is sharded, as in the strategy's run"
     loss_fn = torch.compile(module.compute_loss) if row["compile_loss"] else module.compute_loss
     schedule = module.configure_optimizers()  # the module's AdamW kernel and LR schedule
     optimizer, scheduler = schedule["optimizer"], schedule["lr_scheduler"]["scheduler"]
+    # As the strategy does: with TritonAdamW, bf16 weights and fp32 masters; with torch's AdamW, autocast.
+    autocast = hold_master_weights(model, [optimizer], torch.bfloat16) is None
     start, done = 0.0, 0
     profile = KernelProfile("plain loop", row["warmup"]) if row["profile"] else None
     for step, batch in enumerate(_loader(row, module.config.vocab_size), start=1):
         inputs, labels = batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(model(inputs), labels)
         loss.backward()
         clip_grad_norm_(list(model.parameters()), max_norm=1.0)

@@ -187,6 +187,7 @@ class Recorder(Callback):
         self.hook_calls = dict.fromkeys(COUNTED_HOOKS, 0)
         self.training_mode_after_validation: list[bool] = []
         self.grads_alive_after_forward: list[bool] = []
+        self.param_dtypes_in_training: list[str] = []
         self.save_at = save_at
         self.save_path = save_path
         for hook in COUNTED_HOOKS:
@@ -209,6 +210,8 @@ class Recorder(Callback):
         if self.rng_probe:  # one draw from each generator a checkpoint restores
             record["rng"] = [torch.rand(1).item(), random.random(), float(np.random.rand())]
         self.steps.append(record)
+        if not self.param_dtypes_in_training:
+            self.param_dtypes_in_training = sorted({str(p.dtype) for p in pl_module.parameters()})
         if self.save_at is not None and trainer.global_step == self.save_at:
             trainer.save_checkpoint(self.save_path)
 
@@ -307,6 +310,8 @@ def main(spec: dict[str, Any], out_dir: Path) -> None:
     result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
               "hook_calls": recorder.hook_calls, "training_mode_after_validation": recorder.training_mode_after_validation,
               "grads_alive_after_forward": recorder.grads_alive_after_forward,
+              "param_dtypes_in_training": recorder.param_dtypes_in_training,
+              "param_dtypes_after_fit": sorted({str(p.dtype) for p in model.parameters()}),
               "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step,
               "batch_rank": trainer.strategy.distributed_sampler_kwargs["rank"] if trainer.world_size > 1 else 0,
               "removals": removal_log.removals, "callbacks": [type(c).__name__ for c in trainer.callbacks]}

@@ -27,8 +27,14 @@ def _norm_of(params_by_mesh: dict[object, list[nn.Parameter]], norm_type: float,
     # torch.nn.utils.clip_grad_norm_ fails when gradients live on different meshes. Each mesh's share
     # is reduced to a plain tensor (full_tensor sums the partial norms across the mesh) first.
     shares = []
-    for params in params_by_mesh.values():
-        share = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+    for mesh, params in params_by_mesh.items():
+        grads = [p.grad for p in params]
+        if mesh is None and any(g.dtype != torch.float32 for g in grads):
+            # bf16 gradients (master weights): torch would round each one's norm to bf16.
+            share = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32)),
+                                             norm_type)
+        else:
+            share = torch.nn.utils.get_total_norm(grads, norm_type)
         shares.append(share.full_tensor() if isinstance(share, DTensor) else share)
     local = torch.nn.utils.get_total_norm(shares, norm_type) if shares else torch.zeros(())
     if group is None:

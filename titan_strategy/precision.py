@@ -28,8 +28,9 @@ class TitanPrecision(Precision):
     """``"bf16-mixed"`` keeps fp32 master weights, computes in bf16 and reduces gradients in fp32.
 
     For a module the strategy shards, FSDP2's ``MixedPrecisionPolicy`` does the casting, so no autocast
-    runs. On a single device (no FSDP) and for a module that parallelized itself, autocast does, as
-    Lightning would run it.
+    runs. On a single device (no FSDP) the strategy may give the parameters bf16 values with fp32 masters in
+    TritonAdamW instead (``master_weights.py``); otherwise there, and for a module that parallelized itself,
+    autocast does, as Lightning would run it.
     """
 
     def __init__(self, precision: Literal["32-true", "bf16-mixed"], device_type: str) -> None:

@@ -42,6 +42,7 @@ from titan_strategy.checkpoint import (
 )
 from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
 from titan_strategy.knobs import check_knobs
+from titan_strategy.master_weights import MasterWeights, hold_master_weights
 from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
 from titan_strategy.parallelize import ParallelizeConfig, parallelize
 from titan_strategy.parallelize.context_parallel import SequenceSharder, check_cp_sequence_length, ring_attention
@@ -67,7 +68,8 @@ class TitanStrategy(ParallelStrategy):
     A module that declares a ``parallel_plan()`` is built on the meta device and parallelized by the
     strategy; a module that parallelizes itself in ``configure_model`` (ModelParallelStrategy style)
     is left alone. Both see the mesh as ``self.device_mesh``. On a single device the planned module is
-    not wrapped in FSDP (there is nothing to shard) and ``"bf16-mixed"`` runs it under autocast.
+    not wrapped in FSDP (there is nothing to shard); ``"bf16-mixed"`` then gives it bf16 weights whose fp32
+    masters TritonAdamW keeps (``master_weights.py``), or, with another optimizer, runs it under autocast.
 
     Args:
         data_parallel_replicate_size: HSDP replicas (parameters replicated across them).
@@ -179,6 +181,7 @@ class TitanStrategy(ParallelStrategy):
         self._float8_all_gather = False
         self._sequence_sharder: SequenceSharder | None = None
         self._pipeline: PipelineRunner | None = None
+        self._master_weights: MasterWeights | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout_seconds)
         self.initial_weights = Path(initial_weights) if initial_weights is not None else None
@@ -329,9 +332,33 @@ class TitanStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._hold_master_weights(trainer, precision)
         self.setup_precision_plugin()
         if self.auto_resume and trainer.state.fn == TrainerFn.FITTING and trainer.ckpt_path is None:
             self._resume_from_newest(trainer)
+
+    def _hold_master_weights(self, trainer: pl.Trainer, precision: TitanPrecision) -> None:
+        """Unsharded bf16-mixed training with TritonAdamW: bf16 weights and fp32 masters instead of autocast's casts.
+
+        Not where gradients accumulate over several backward passes (they would add up in bf16): under gradient
+        accumulation, pipeline microbatches or manual optimization, autocast stays.
+        """
+        module = self.lightning_module
+        if (self._plan is None or self._pipeline is not None or not precision.use_autocast
+                or trainer.accumulate_grad_batches != 1 or not module.automatic_optimization):
+            return
+        self._master_weights = hold_master_weights(module, self.optimizers, precision.param_dtype)
+        if self._master_weights is not None:
+            precision.use_autocast = False
+            rank_zero_info("TitanStrategy: bf16-mixed on an unsharded model with TritonAdamW: the parameters hold "
+                           "bf16 values and TritonAdamW their fp32 masters (no casts in the step).")
+
+    def _release_master_weights(self) -> None:
+        if self._master_weights is not None:
+            self._master_weights.release()
+            self._master_weights = None
+            assert isinstance(self.precision_plugin, TitanPrecision)
+            self.precision_plugin.use_autocast = True
 
     def _resume_from_newest(self, trainer: pl.Trainer) -> None:
         folders = [Path(callback.dirpath) for callback in trainer.checkpoint_callbacks
@@ -684,6 +711,7 @@ class TitanStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        self._release_master_weights()
 
     @classmethod
     @override
