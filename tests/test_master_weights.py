@@ -138,3 +138,35 @@ def test_a_checkpoint_resumes_exactly_and_under_fsdp2(tmp_path: Path, test_env: 
     sharded = launch(2, {**spec, "batch_size": 4, "resume_from": str(checkpoint)}, tmp_path / "fsdp2", test_env)
     after = [step for step in original[0]["steps"] if step["step"] > 3]
     _assert_within([s["train_loss"] for s in sharded[0]["steps"]], [s["train_loss"] for s in after], FSDP2_RTOL)
+
+
+@pytest.mark.parametrize(("module_args", "trainer_args", "held"), [
+    ({"adamw": "triton"}, {}, True),
+    ({"adamw": "foreach"}, {}, False),  # torch's AdamW keeps no masters: autocast
+    ({"adamw": "triton"}, {"accumulate_grad_batches": 2}, False),  # gradients would add up in bf16
+    ({"adamw": "triton"}, {"precision": "32-true"}, False),
+], ids=["triton", "foreach", "accumulating", "fp32"])
+def test_held_only_where_gradients_come_from_one_backward(module_args: dict, trainer_args: dict, held: bool,
+                                                          tmp_path: Path) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from llama_module import LlamaModule
+    from tests.train_worker import TINY, AffineSequences
+    from titan_strategy import TitanStrategy
+
+    seen: list[tuple[set[torch.dtype], bool]] = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
+            seen.append(({p.dtype for p in pl_module.parameters()}, trainer.precision_plugin.use_autocast))
+
+    module = LlamaModule(model=TINY, warmup_steps=1, decay_steps=10, **module_args)
+    trainer = L.Trainer(**{"accelerator": "cpu", "devices": 1, "strategy": TitanStrategy(), "precision": "bf16-mixed",
+                           "max_steps": 2, "logger": False, "enable_checkpointing": False,
+                           "enable_progress_bar": False, "enable_model_summary": False, "callbacks": [Record()],
+                           "default_root_dir": str(tmp_path), **trainer_args})
+    trainer.fit(module, DataLoader(AffineSequences(16, 32, TINY.vocab_size), batch_size=2))
+    expected = ({torch.bfloat16}, False) if held else ({torch.float32}, True)  # (autocast is a no-op in fp32)
+    assert seen and all(batch == expected for batch in seen)
+    assert {p.dtype for p in module.parameters()} == {torch.float32}  # after fit, the masters again
