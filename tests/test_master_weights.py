@@ -4,11 +4,13 @@ updates. On CUDA the updates run in TritonAdamW's kernel; on the CPU in torch's 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tests.conftest import launch
@@ -140,6 +142,15 @@ def test_a_checkpoint_resumes_exactly_and_under_fsdp2(tmp_path: Path, test_env: 
     _assert_within([s["train_loss"] for s in sharded[0]["steps"]], [s["train_loss"] for s in after], FSDP2_RTOL)
 
 
+@pytest.fixture()
+def process_group_left_behind() -> Iterator[None]:
+    """An in-process fit initializes torch.distributed (one rank) and leaves it; later tests start their own."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("process_group_left_behind")
 @pytest.mark.parametrize(("module_args", "trainer_args", "held"), [
     ({"adamw": "triton"}, {}, True),
     ({"adamw": "foreach"}, {}, False),  # torch's AdamW keeps no masters: autocast
