@@ -13,8 +13,9 @@ what Lightning and the strategy's hooks cost, measured side by side.
 Shapes: ``1B`` is the Llama-3.2-1B shape (dim 2048, 16 layers, untied output), seq 8192, batch 2;
 ``8B-width`` is Llama-3-8B's width (dim 4096, ffn 14336) with 16 layers, seq 8192, batch 1. Random
 tokens (the data path is not measured), bf16-mixed (on one GPU the strategy does not wrap the model in
-FSDP: with TritonAdamW the weights are bf16 with fp32 masters, with torch's AdamW autocast casts them). MFU counts ``LlamaModule.flops_per_token`` (recomputation not counted) over the
-device's dense bf16 peak. A run that runs out of memory reports ``oom`` instead of failing.
+FSDP: with TritonAdamW the weights are bf16 with fp32 masters, with torch's AdamW autocast casts them).
+MFU counts ``LlamaModule.flops_per_token`` (recomputation not counted) over the device's dense bf16 peak.
+A run that runs out of memory reports ``oom`` instead of failing.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ class MasterWeights:
     """The fp32 masters of a module's parameters while they hold bf16 values; ``release()`` puts them back."""
 
     def __init__(self, module: nn.Module, optimizers: Sequence[TritonAdamW], dtype: torch.dtype) -> None:
-        self.module = module
         self.optimizers = list(optimizers)
         self.masters: dict[Tensor, Tensor] = {}
         for param in module.parameters():
@@ -75,15 +74,15 @@ def _load_masters(masters: dict[str, Tensor], module: nn.Module, state_dict: dic
             master.copy_(value)
 
 
-def hold_master_weights(module: nn.Module, optimizers: Sequence[Any], dtype: torch.dtype | None) -> MasterWeights | None:
+def hold_master_weights(module: nn.Module, optimizers: Sequence[Any],
+                        dtype: torch.dtype | None) -> MasterWeights | None:
     """Give ``module``'s parameters ``dtype`` (bf16) values and their optimizers fp32 masters, where that can be:
     every parameter is an fp32 plain tensor updated by one of ``optimizers``, all ``TritonAdamW``. Otherwise
     nothing changes (autocast casts as before) and this returns None."""
-    params = list(module.parameters())
-    updated = {param for optimizer in optimizers for group in getattr(optimizer, "param_groups", ())
-               for param in group["params"]}
-    if dtype is None or not params or not optimizers or not all(isinstance(o, TritonAdamW) for o in optimizers):
+    if dtype is None or not optimizers or not all(isinstance(o, TritonAdamW) for o in optimizers):
         return None
-    if not all(type(p.data) is Tensor and p.dtype == torch.float32 and p in updated for p in params):
+    params = list(module.parameters())
+    updated = {param for optimizer in optimizers for group in optimizer.param_groups for param in group["params"]}
+    if not params or not all(type(p.data) is Tensor and p.dtype == torch.float32 and p in updated for p in params):
         return None
     return MasterWeights(module, optimizers, dtype)

@@ -46,11 +46,12 @@ def _adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     torch's order (which the kernel follows). ``compute_copy``, where given, receives the updated ``param``
     in its own (lower) precision; ``grad`` may then be in that precision too."""
     fp32 = (param, exp_avg, exp_avg_sq)
-    tensors = (*fp32, grad) if compute_copy is None else (*fp32, grad, compute_copy)
+    copies = () if compute_copy is None else (compute_copy,)
+    grad_dtypes = {torch.float32, *(c.dtype for c in copies)}
     # Parameters and plain tensors: other subclasses may not hold their values where their data pointer says.
-    if all(type(t) in _PLAIN_TYPES and t.is_cuda and t.is_contiguous() for t in tensors) \
-            and all(t.dtype == torch.float32 for t in fp32) and _triton_kernel() is not None \
-            and grad.dtype in (torch.float32, compute_copy.dtype if compute_copy is not None else torch.float32):
+    if all(type(t) in _PLAIN_TYPES and t.is_cuda and t.is_contiguous() for t in (*fp32, grad, *copies)) \
+            and all(t.dtype == torch.float32 for t in fp32) and grad.dtype in grad_dtypes \
+            and _triton_kernel() is not None:
         _launch(param, grad, exp_avg, exp_avg_sq, grad_scale, compute_copy, lr, weight_decay, beta1, beta2, eps,
                 step_size, bias_correction2_sqrt)
         return
