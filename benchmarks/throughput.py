@@ -41,14 +41,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from llama_module import LlamaModule
 from llama_module.args import get_flavor
-from titan_strategy import ParallelDims, Throughput, TitanStrategy
+from titan_strategy import Throughput, TitanStrategy
 from titan_strategy.callbacks.throughput import peak_tflops_of
 from titan_strategy.grad_norm import clip_grad_norm_
 from titan_strategy.kernels.adamw import ADAMW_KERNELS
 from titan_strategy.master_weights import hold_master_weights
 from titan_strategy.mesh import build_mesh
-from titan_strategy.parallelize import ParallelizeConfig, parallelize
-from titan_strategy.pipeline.layout import PipelineConfig
+from titan_strategy.config import TitanConfig
+from titan_strategy.parallelize import parallelize
 
 SHAPES = {"1B": {"flavor": "1B", "n_layers": None, "batch_size": 2},
           "8B-width": {"flavor": "8B", "n_layers": 16, "batch_size": 1}}
@@ -160,14 +160,12 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
     module = _module(row).to(device)  # the device configure_model checks its kernels against
     with torch.device("meta"):
         module.configure_model()
-    dims = ParallelDims.from_world_size(1, dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1)
-    config = ParallelizeConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reshard_after_forward="default",
-                               sequence_parallel=True, loss_parallel=True, async_tp=False, compile=row["compile"],
-                               activation_checkpointing=row["ac"], activation_checkpointing_every=2,
-                               float8=row["float8"], pipeline=PipelineConfig(size=1))
-    parallelized = parallelize(module.parallel_plan(), build_mesh(dims, "cuda"), dims, config, device)
-    model = parallelized.parts[0]
-    assert not parallelized.sharded, "one GPU: nothing is sharded, as in the strategy's run"
+    config = TitanConfig.from_knobs(**_strategy_knobs(row))
+    dims = config.mesh.resolve(1)
+    runtime = parallelize(module.parallel_plan(), build_mesh(dims, "cuda"), dims, config, device,
+                          param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = runtime.parts[0]
+    assert not runtime.sharded, "one GPU: nothing is sharded, as in the strategy's run"
     loss_fn = torch.compile(module.compute_loss) if row["compile_loss"] else module.compute_loss
     schedule = module.configure_optimizers()  # the module's AdamW kernel and LR schedule
     optimizer, scheduler = schedule["optimizer"], schedule["lr_scheduler"]["scheduler"]

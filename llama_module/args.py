@@ -23,6 +23,9 @@ class LlamaConfig:
 
     The output projection is never tied to the embedding (as in Llama 3 / 3.1 8B-405B); the 1B and
     3B flavors keep the Llama 3.2 shapes but untie it too, so every flavor shards the same way.
+
+    Its parameter and FLOP counts are the model's only ones: ``LlamaModule.flops_per_token`` (the
+    Throughput callback's MFU) returns them, and the planner takes a config as its ``ModelShape``.
     """
 
     dim: int
@@ -69,13 +72,31 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def num_params(self, *, exclude_embedding: bool = False) -> int:
-        """Parameter count, computed from the shape alone (no model is built)."""
+    @property
+    def block_params(self) -> int:
+        """Parameters of one transformer block: the four attention projections, the three of SwiGLU, two RMSNorms."""
         attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        block = attention + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        return attention + 3 * self.dim * self.ffn_dim + 2 * self.dim
+
+    def num_params(self, *, exclude_embedding: bool = False) -> int:
+        """Parameter count, computed from the shape alone (no model is built).
+
+        Args:
+            exclude_embedding: leave out the embedding table (a lookup, no matmul); the output projection,
+                which is not tied to it, still counts.
+        """
         embedding = self.vocab_size * self.dim
-        total = self.n_layers * block + self.dim + 2 * embedding
+        total = self.n_layers * self.block_params + self.dim + 2 * embedding
         return total - embedding if exclude_embedding else total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Model FLOPs of training on one token of a ``seq_len``-token sequence.
+
+        6 per non-embedding parameter (forward 2, backward 4) plus attention's score and value matmuls,
+        12 * layers * dim * seq_len, counted over the full (not causal-halved) score matrix, as the
+        PaLM paper and torchtitan count it. Recomputation under activation checkpointing is not counted.
+        """
+        return 6 * self.num_params(exclude_embedding=True) + 12 * self.n_layers * self.dim * seq_len
 
 
 _LLAMA_3_2 = RopeScaling(factor=32.0)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llama_module.args import LlamaConfig, RopeScaling
-from titan_strategy.kernels.flash_attention4 import flash_attention4
+from titan_strategy.kernels import flash_attention4
 
 __all__ = ["Llama", "ParamFiller", "check_attention_kernel", "fill_in_place", "rope_table"]
 

@@ -14,10 +14,8 @@ from torch import Tensor
 from llama_module.args import LlamaConfig, get_flavor
 from llama_module.model import Llama, check_attention_kernel
 from llama_module.plan import llama_plan
-from titan_strategy.kernels.adamw import ADAMW_KERNELS, build_adamw
-from titan_strategy.kernels.flash_attention4 import check_flash_attention4
-from titan_strategy.plan import ParallelPlan
-from titan_strategy.step_metrics import log_step_metric
+from titan_strategy import ParallelPlan, log_step_metric
+from titan_strategy.kernels import ADAMW_KERNELS, build_adamw, check_flash_attention4
 
 __all__ = ["LlamaModule"]
 
@@ -93,7 +91,7 @@ class LlamaModule(L.LightningModule):
     def parallel_plan(self) -> ParallelPlan:
         """Lets TitanStrategy parallelize the Llama (see ``llama_module.plan``)."""
         assert self.model is not None
-        return llama_plan(self.model)
+        return llama_plan(self.model, log_loss=self.log_loss)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         assert self.model is not None, "configure_model() builds the model"
@@ -108,27 +106,30 @@ class LlamaModule(L.LightningModule):
         return self.compute_loss(output, target)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Model FLOPs of training on one token (what the ``Throughput`` callback's MFU counts).
-
-        6 per non-embedding parameter (forward 2, backward 4) plus attention's score and value matmuls,
-        12 * layers * dim * seq_len, counted over the full (not causal-halved) score matrix, as the
-        PaLM paper and torchtitan count it. Recomputation under activation checkpointing is not counted.
-        """
-        config = self.config
-        return 6 * config.num_params(exclude_embedding=True) + 12 * config.n_layers * config.dim * seq_len
+        """Model FLOPs of training on one token, what the ``Throughput`` callback's MFU counts (see ``LlamaConfig``)."""
+        return self.config.flops_per_token(seq_len)
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
-        log_step_metric(self, "train_loss", loss, bar_name="loss", sync_dist=True)
+        self.log_loss("train", loss)
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log_loss("val", self.compute_loss(self(batch["input_ids"]), batch["labels"]))
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:
-        loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
-        self.log("test_loss", loss, prog_bar=True, sync_dist=True)
+        self.log_loss("test", self.compute_loss(self(batch["input_ids"]), batch["labels"]))
+
+    def log_loss(self, stage: str, loss: Tensor) -> None:
+        """Log a step's loss as ``{stage}_loss``: in training every step (progress bar ``loss``), else per epoch.
+
+        The steps above call it, and so does TitanStrategy under pipeline parallelism, where the schedule runs
+        in place of these steps (``parallel_plan`` hands it over).
+        """
+        if stage == "train":
+            log_step_metric(self, "train_loss", loss, bar_name="loss", sync_dist=True)
+        else:
+            self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
 
     def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
         """Next-token logits (bs, seqlen, vocab_size) of ``batch["input_ids"]``."""

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llama_module.args import get_flavor
-from llama_module.plan_cli import model_shape
-from titan_strategy.planner.estimate import Job, Layout, ModelShape
+from llama_module.args import LlamaConfig, get_flavor
+from titan_strategy.planner.estimate import Job, Layout
 from titan_strategy.planner.hardware import get_gpu
 
 __all__ = ["PAPER_RUNS", "PaperRun"]
@@ -31,8 +30,8 @@ class PaperRun:
     memory_gib: float
 
     @property
-    def shape(self) -> ModelShape:
-        return model_shape(get_flavor(self.flavor))
+    def shape(self) -> LlamaConfig:
+        return get_flavor(self.flavor)
 
 
 def _job(gpus: int, sequences: int, seq_len: int = 8192, async_tp: bool = False) -> Job:

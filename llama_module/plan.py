@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from torch import Tensor
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -61,11 +63,12 @@ def _sequence_length(batch: Any) -> int:
     return batch["input_ids"].shape[1]
 
 
-def llama_plan(model: Llama) -> ParallelPlan:
+def llama_plan(model: Llama, log_loss: Callable[[str, Tensor], None] | None = None) -> ParallelPlan:
     """FSDP units in forward order: the embedding, each block, then final norm and output together.
 
     Norm and output form one unit because they run back to back and the norm alone is tiny. Pipeline
     stages cut the blocks into runs; the embedding rides with the first, norm and output with the last.
+    ``log_loss`` is how the LightningModule logs a stage's loss when the pipeline schedule runs its steps.
     """
     # Declared for the whole model: the strategy keeps, per pipeline stage, the units that stage holds.
     embedding, head = ("tok_embeddings",), ("norm", "output")
@@ -78,7 +81,7 @@ def llama_plan(model: Llama) -> ParallelPlan:
         vocab_size=config.vocab_size,
         sequence_length=_sequence_length,
     )
-    pipeline = PipelinePlan(first_stage=embedding, last_stage=head)
+    pipeline = PipelinePlan(first_stage=embedding, last_stage=head, log_loss=log_loss)
     # Attention is the one place tokens meet; RoPE rows follow their tokens' positions.
     context_parallel = ContextParallelPlan(attention="layers.*.attention.sdpa", buffers={"rope.table": 0})
     return ParallelPlan(model=model, fsdp_units=units, init_weights=model.init_weights, blocks=blocks,

@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 
 from llama_module.args import LlamaConfig, get_flavor
-from titan_strategy.pipeline.layout import PipelineConfig
-from titan_strategy.planner.estimate import Job, Layout, ModelShape
+from titan_strategy.config import PLUGIN_ARGUMENTS, TitanConfig
+from titan_strategy.planner.estimate import Job, Layout
 from titan_strategy.planner.hardware import GPU, GPUS, get_gpu
 from titan_strategy.planner.report import format_plans, save_memory_png
 from titan_strategy.planner.search import (
@@ -26,59 +26,39 @@ from titan_strategy.planner.search import (
     plan_layouts,
 )
 
-__all__ = ["check_training_config", "main", "model_shape"]
-
-
-def model_shape(config: LlamaConfig) -> ModelShape:
-    return ModelShape(dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
-                      ffn_dim=config.ffn_dim, vocab_size=config.vocab_size)
+__all__ = ["check_training_config", "main"]
 
 
 def _config_of(model: Any) -> LlamaConfig:
     return get_flavor(model) if isinstance(model, str) else LlamaConfig.from_dict(model)
 
 
-def _strategy_args(config: dict[str, Any]) -> dict[str, Any]:
-    """TitanStrategy's arguments in a training YAML (``trainer.strategy.init_args``)."""
+def _strategy_config(config: dict[str, Any]) -> TitanConfig:
+    """The TitanStrategy knobs of a training YAML (``trainer.strategy.init_args``), read as the strategy reads
+    them: a value it would refuse fails here too."""
     strategy = (config.get("trainer") or {}).get("strategy")
-    return (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
-
-
-def _pipeline_of(strategy: dict[str, Any], n_layers: int) -> tuple[str | None, int, int]:
-    """(schedule, stages per rank, microbatches) of the strategy's pipeline knobs, resolved as TitanStrategy does."""
-    size = strategy.get("pipeline_parallel_size", 1)
-    if size == 1:
-        return None, 1, 1
-    schedule = strategy.get("pipeline_schedule", "1F1B")
-    split_points = strategy.get("pipeline_split_points")
+    arguments = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
     try:
-        layout = PipelineConfig(size=size, schedule=schedule,
-                                microbatches=strategy.get("pipeline_microbatches"),
-                                stages_per_rank=strategy.get("pipeline_stages_per_rank"),
-                                layers_per_stage=strategy.get("pipeline_layers_per_stage"),
-                                split_points=tuple(split_points) if split_points is not None else None).resolve(n_layers)
-    except ValueError as error:
-        raise PlanError(f"The pipeline cannot run: {error}") from None
-    return schedule, layout.num_stages // size, layout.microbatches
+        return TitanConfig.from_knobs(**{k: v for k, v in arguments.items() if k not in PLUGIN_ARGUMENTS})
+    except (TypeError, ValueError) as error:
+        raise PlanError(f"TitanStrategy refuses these knobs: {error}") from None
 
 
-def _layout_of_config(config: dict[str, Any], strategy: dict[str, Any], gpus: int,
-                      n_layers: int) -> tuple[Layout, int, int]:
-    """The layout a training YAML (with its strategy arguments) asks for, its sequence length and its global
-    batch in tokens."""
-    degrees = {"dp_replicate": strategy.get("data_parallel_replicate_size", 1),
-               "tp": strategy.get("tensor_parallel_size", 1), "cp": strategy.get("context_parallel_size", 1),
-               "pp": strategy.get("pipeline_parallel_size", 1)}
-    others = degrees["dp_replicate"] * degrees["tp"] * degrees["cp"] * degrees["pp"]
-    dp_shard = strategy.get("data_parallel_shard_size", -1)
-    dp_shard = gpus // others if dp_shard == -1 else dp_shard
-    schedule, stages_per_rank, microbatches = _pipeline_of(strategy, n_layers)
-    layout = Layout(dp_shard=dp_shard, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
-                    ac=strategy.get("activation_checkpointing", "none"),
-                    float8=strategy.get("float8", "none") != "none", **degrees)
-    data = config.get("data") or {}
-    seq_len, batch_size = data.get("seq_len", 2048), data.get("batch_size", 8)
-    return layout, seq_len, seq_len * batch_size * layout.dp_replicate * layout.dp_shard
+def _layout_of_config(strategy: TitanConfig, gpus: int, n_layers: int) -> Layout:
+    """The layout a strategy config asks for on ``gpus`` GPUs (the planner says why one that does not divide
+    cannot run, and what would)."""
+    mesh, pipeline = strategy.mesh, strategy.pipeline
+    stages_per_rank, microbatches = 1, 1
+    if pipeline.size > 1:
+        try:
+            resolved = pipeline.resolve(n_layers)
+        except ValueError as error:
+            raise PlanError(f"The pipeline cannot run: {error}") from None
+        stages_per_rank, microbatches = resolved.num_stages // pipeline.size, resolved.microbatches
+    return Layout(dp_replicate=mesh.dp_replicate, dp_shard=mesh.shard_degree(gpus), tp=mesh.tp, cp=mesh.cp,
+                  pp=mesh.pp, schedule=pipeline.schedule if pipeline.size > 1 else None, microbatches=microbatches,
+                  stages_per_rank=stages_per_rank, ac=strategy.activation_checkpointing.mode,
+                  float8=strategy.float8.recipe != "none")
 
 
 def check_training_config(config: dict[str, Any], gpu: GPU) -> tuple[Plan, Job]:
@@ -88,15 +68,16 @@ def check_training_config(config: dict[str, Any], gpu: GPU) -> tuple[Plan, Job]:
     if not isinstance(per_node, int):
         raise PlanError(f"trainer.devices={per_node!r}: the check needs a number of devices.")
     gpus = per_node * (trainer.get("num_nodes") or 1)
-    model = (config.get("model") or {}).get("model", "debug")
-    shape = _config_of(model)
-    strategy = _strategy_args(config)
-    layout, seq_len, batch_tokens = _layout_of_config(config, strategy, gpus, shape.n_layers)
-    job = Job(gpus=gpus, gpus_per_node=per_node, gpu=gpu, seq_len=seq_len, global_batch_tokens=batch_tokens,
-              compiled_blocks=bool(strategy.get("compile", False)),
-              compiled_loss=bool(strategy.get("compile_loss", False)),
-              async_tp=bool(strategy.get("async_tensor_parallel", False)))
-    return check_layout(model_shape(shape), layout, job), job
+    shape = _config_of((config.get("model") or {}).get("model", "debug"))
+    strategy = _strategy_config(config)
+    layout = _layout_of_config(strategy, gpus, shape.n_layers)
+    data = config.get("data") or {}
+    seq_len, batch_size = data.get("seq_len", 2048), data.get("batch_size", 8)
+    job = Job(gpus=gpus, gpus_per_node=per_node, gpu=gpu, seq_len=seq_len,
+              global_batch_tokens=seq_len * batch_size * layout.dp_replicate * layout.dp_shard,
+              compiled_blocks=strategy.compile.blocks, compiled_loss=strategy.compile.loss,
+              async_tp=strategy.tensor_parallel.async_tp)
+    return check_layout(shape, layout, job), job
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -112,7 +93,7 @@ def _plan(args: argparse.Namespace) -> int:
     job = Job(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=get_gpu(args.gpu, args.gpu_memory),
               seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens, compiled_blocks=not args.eager,
               compiled_loss=not args.eager, async_tp=args.async_tp)
-    plans = plan_layouts(model_shape(_config_of(model)), job, top=args.top)
+    plans = plan_layouts(_config_of(model), job, top=args.top)
     print(format_plans(plans, job, args.save_window_s))
     if args.png is not None:
         print(f"Memory picture: {save_memory_png(plans, job, args.png)}")

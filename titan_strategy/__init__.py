@@ -9,11 +9,13 @@ from titan_strategy.callbacks import FlightRecorder, Throughput
 from titan_strategy.checkpoint import CHECKPOINT_MODES, CorruptCheckpointError, DistributedCheckpointIO
 from titan_strategy.mesh import ParallelDims, TitanMesh
 from titan_strategy.plan import ContextParallelPlan, ParallelPlan, PipelinePlan, TensorParallelPlan
-from titan_strategy.strategy import PIPELINE_SCHEDULES, TitanStrategy
+from titan_strategy.pipeline.layout import PIPELINE_SCHEDULES
+from titan_strategy.step_metrics import log_step_metric
+from titan_strategy.strategy import TitanStrategy
 
 __all__ = ["CHECKPOINT_MODES", "PIPELINE_SCHEDULES", "ContextParallelPlan", "CorruptCheckpointError",
            "DistributedCheckpointIO", "FlightRecorder", "ParallelDims", "ParallelPlan", "PipelinePlan",
-           "TensorParallelPlan", "Throughput", "TitanMesh", "TitanStrategy"]
+           "TensorParallelPlan", "Throughput", "TitanMesh", "TitanStrategy", "log_step_metric"]
 
 if TitanStrategy.strategy_name not in StrategyRegistry:
     TitanStrategy.register_strategies(StrategyRegistry)

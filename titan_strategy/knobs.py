@@ -1,54 +1,43 @@
-"""Construction-time checks of TitanStrategy's knobs: a bad combination fails in ``Trainer(...)``."""
+"""How a knob is declared and checked: allowed values come from its ``Literal`` type, written once.
+
+Every feature config (``FSDPConfig``, ``TensorParallelConfig``, ...) is a frozen dataclass whose fields
+say which flat ``TitanStrategy`` knob they hold (``knob(...)``); ``TitanConfig.from_knobs`` reads them.
+"""
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+from typing import Any, get_args
 
-from titan_strategy.parallelize.activation_checkpoint import check_ac
-from titan_strategy.parallelize.context_parallel import ROTATE_METHODS
-from titan_strategy.parallelize.float8 import FLOAT8_RECIPES
-from titan_strategy.pipeline.layout import ZERO_BUBBLE_SCHEDULES, PipelineConfig
+__all__ = ["KNOB", "check_choice", "check_positive", "choices", "knob"]
 
-__all__ = ["check_knobs", "compiled_zero_bubble_problem"]
-
-_RESHARD_POLICIES = ("default", "always", "never")
-# Measured on CPU/gloo: compiled tensor-parallel blocks get gradients ~1% off the eager ones on torch
-# 2.13 (grad norm 0.8004 vs 0.8064 for the test model), and are exact on 2.11.
-_COMPILED_TP_IS_BROKEN = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
+KNOB = "knob"  # the field metadata key naming the flat TitanStrategy argument
 
 
-def check_knobs(*, reshard: str, timeout_seconds: float, compile: bool, compile_loss: bool,
-                tensor_parallel_size: int, async_tensor_parallel: bool, rotate_method: str,
-                activation_checkpointing: str, activation_checkpointing_every: int, float8: str,
-                pipeline: PipelineConfig) -> None:
-    """Raise ``ValueError`` naming the knob to change; the pipeline knobs check themselves."""
-    if reshard not in _RESHARD_POLICIES:
-        raise ValueError(f"fsdp_reshard_after_forward={reshard!r} must be one of {list(_RESHARD_POLICIES)}.")
-    if rotate_method not in ROTATE_METHODS:
-        raise ValueError(f"context_parallel_rotate_method={rotate_method!r} must be one of {list(ROTATE_METHODS)}.")
-    check_ac(activation_checkpointing, activation_checkpointing_every)
-    if float8 not in FLOAT8_RECIPES:
-        raise ValueError(f"float8={float8!r} must be one of {list(FLOAT8_RECIPES)}.")
-    problem = compiled_zero_bubble_problem(compile, pipeline.size, pipeline.schedule)
-    if problem:
-        raise ValueError(problem)
-    if timeout_seconds <= 0:
-        raise ValueError(f"timeout_seconds={timeout_seconds!r} must be > 0.")
-    for name, on in (("compile", compile), ("compile_loss", compile_loss)):
-        if on and tensor_parallel_size > 1 and _COMPILED_TP_IS_BROKEN:
-            raise ValueError(
-                f"{name}=True with tensor_parallel_size={tensor_parallel_size} gives wrong gradients on torch "
-                f"{torch.__version__} (a DTensor backward regression; torch 2.11 is correct). Use {name}=False, "
-                "or torch 2.11."
-            )
-    if async_tensor_parallel and not compile:
-        raise ValueError("async_tensor_parallel=True needs compile=True: AsyncTP is an inductor pass over "
-                         "compiled blocks. Set compile=True, or async_tensor_parallel=False.")
+def knob(name: str, default: Any) -> Any:
+    """A feature-config field that holds the flat ``TitanStrategy`` argument ``name``."""
+    return dataclasses.field(default=default, metadata={KNOB: name})
 
 
-# Also the capacity planner's rule (a layout it proposes must be one the strategy runs).
-def compiled_zero_bubble_problem(compile: bool, pipeline_parallel_size: int, schedule: str | None) -> str | None:
-    if compile and pipeline_parallel_size > 1 and schedule in ZERO_BUBBLE_SCHEDULES:
-        return (f"pipeline_schedule={schedule!r} splits backward into input- and weight-gradient passes, which torch "
-                "refuses for compiled stages; use compile=False, or a schedule such as 'Interleaved1F1B'.")
-    return None
+def choices(literal: Any) -> tuple[Any, ...]:
+    """The values a ``Literal[...]`` type (or a union of them) allows, in declaration order."""
+    values: list[Any] = []
+    for arg in get_args(literal):
+        values += choices(arg) if get_args(arg) else [arg]
+    return tuple(values)
+
+
+def check_choice(name: str, value: Any, literal: Any) -> None:
+    """Raise ``ValueError`` naming ``name``, ``value`` and the values its ``literal`` type allows."""
+    allowed = choices(literal)
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} must be one of {list(allowed)}.")
+
+
+def check_positive(name: str, value: Any, *, optional: bool = False) -> None:
+    """Raise unless ``value`` is an integer >= 1 (or None where ``optional``)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        kind = "a positive integer or None" if optional else "an integer >= 1"
+        raise ValueError(f"{name}={value!r} must be {kind}.")

@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from titan_strategy.kernels.adamw import TritonAdamW
 
-__all__ = ["MasterWeights", "hold_master_weights"]
+__all__ = ["MasterWeights", "hold_master_weights", "hold_master_weights_where_exact"]
 
 
 class MasterWeights:
@@ -86,3 +86,14 @@ def hold_master_weights(module: nn.Module, optimizers: Sequence[Any],
     if not params or not all(type(p.data) is Tensor and p.dtype == torch.float32 and p in updated for p in params):
         return None
     return MasterWeights(module, optimizers, dtype)
+
+
+def hold_master_weights_where_exact(module: Any, optimizers: Sequence[Any], dtype: torch.dtype | None, *,
+                                    pipelined: bool) -> MasterWeights | None:
+    """``hold_master_weights`` for a LightningModule in training, where each step's gradients come from one
+    backward pass: under gradient accumulation, pipeline microbatches or manual optimization they would add up
+    in bf16, so autocast stays there (None)."""
+    trainer = module.trainer
+    if pipelined or trainer.accumulate_grad_batches != 1 or not module.automatic_optimization:
+        return None
+    return hold_master_weights(module, optimizers, dtype)

@@ -9,9 +9,67 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelDims", "TitanMesh", "build_mesh"]
+from titan_strategy.knobs import check_positive, knob
+
+__all__ = ["MeshConfig", "ParallelDims", "TitanMesh", "build_mesh"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """The parallel degrees as asked for; ``resolve`` fills ``dp_shard=-1`` once the world size is known."""
+
+    dp_replicate: int = knob("data_parallel_replicate_size", 1)
+    """HSDP replicas (parameters replicated across them)."""
+    dp_shard: int = knob("data_parallel_shard_size", -1)
+    """FSDP shard degree; -1 takes what the other degrees leave of the world."""
+    cp: int = knob("context_parallel_size", 1)
+    tp: int = knob("tensor_parallel_size", 1)
+    pp: int = knob("pipeline_parallel_size", 1)
+
+    def __post_init__(self) -> None:
+        for name, value in self._fixed().items():
+            if value == -1:
+                raise ValueError(f"{name}=-1 is not allowed: only data_parallel_shard_size may be -1.")
+            check_positive(name, value)
+        if self.dp_shard != -1:
+            check_positive("data_parallel_shard_size", self.dp_shard)
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """The degrees of a ``world_size`` run.
+
+        Raises:
+            ValueError: the degrees do not multiply to ``world_size`` (or leave no whole ``dp_shard``).
+        """
+        fixed = self._fixed()
+        others = math.prod(fixed.values())
+        if self.dp_shard == -1 and world_size % others:
+            raise ValueError(
+                f"The world size {world_size} is not divisible by {_product_text(fixed)} = {others}, so "
+                "data_parallel_shard_size=-1 cannot fill the rest. Change the degrees or the number of devices."
+            )
+        dims = ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.shard_degree(world_size), cp=self.cp,
+                            tp=self.tp, pp=self.pp)
+        if dims.world_size != world_size:
+            raise ValueError(
+                f"The parallel degrees multiply to {_product_text(dims.knobs())} = {dims.world_size}, but "
+                f"the world size is {world_size} (devices x nodes). Make them equal, or set "
+                "data_parallel_shard_size=-1 to use the remaining devices for FSDP."
+            )
+        return dims
+
+    def shard_degree(self, world_size: int) -> int:
+        """``dp_shard``, with -1 filled by what the other degrees leave of ``world_size`` (rounded down)."""
+        return self.dp_shard if self.dp_shard != -1 else world_size // math.prod(self._fixed().values())
+
+    def _fixed(self) -> dict[str, int]:
+        return {"data_parallel_replicate_size": self.dp_replicate, "context_parallel_size": self.cp,
+                "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp}
+
+
+def _product_text(knobs: dict[str, int]) -> str:
+    return " x ".join(f"{name}={value}" for name, value in knobs.items())
 
 
 @dataclass(frozen=True)
@@ -25,42 +83,19 @@ class ParallelDims:
     pp: int
 
     def __post_init__(self) -> None:
-        for knob, value in self._knobs().items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{knob}={value!r} must be an integer >= 1 (only data_parallel_shard_size may be -1).")
+        for name, value in self.knobs().items():
+            check_positive(name, value)
 
     @classmethod
     def from_world_size(
         cls, world_size: int, *, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int
     ) -> ParallelDims:
-        """Resolve ``dp_shard=-1`` to what is left of the world, then check the product.
+        """``MeshConfig(...).resolve(world_size)``: ``dp_shard=-1`` takes what is left of the world.
 
         Raises:
             ValueError: a degree is invalid, or the degrees do not multiply to ``world_size``.
         """
-        fixed = {"data_parallel_replicate_size": dp_replicate, "context_parallel_size": cp,
-                 "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
-        for knob, value in fixed.items():
-            if value == -1:
-                raise ValueError(f"{knob}=-1 is not allowed: only data_parallel_shard_size may be -1.")
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{knob}={value!r} must be an integer >= 1.")
-        others = math.prod(fixed.values())
-        if dp_shard == -1:
-            if world_size % others:
-                raise ValueError(
-                    f"The world size {world_size} is not divisible by {cls._product_text(fixed)} = {others}, so "
-                    "data_parallel_shard_size=-1 cannot fill the rest. Change the degrees or the number of devices."
-                )
-            dp_shard = world_size // others
-        dims = cls(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
-        if dims.world_size != world_size:
-            raise ValueError(
-                f"The parallel degrees multiply to {dims._product_text(dims._knobs())} = {dims.world_size}, but "
-                f"the world size is {world_size} (devices x nodes). Make them equal, or set "
-                "data_parallel_shard_size=-1 to use the remaining devices for FSDP."
-            )
-        return dims
+        return MeshConfig(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp).resolve(world_size)
 
     @property
     def world_size(self) -> int:
@@ -75,14 +110,11 @@ class ParallelDims:
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1
 
-    def _knobs(self) -> dict[str, int]:
+    def knobs(self) -> dict[str, int]:
+        """The degrees under their TitanStrategy names, outer mesh dim first."""
         return {"pipeline_parallel_size": self.pp, "data_parallel_replicate_size": self.dp_replicate,
                 "data_parallel_shard_size": self.dp_shard, "context_parallel_size": self.cp,
                 "tensor_parallel_size": self.tp}
-
-    @staticmethod
-    def _product_text(knobs: dict[str, int]) -> str:
-        return " x ".join(f"{knob}={value}" for knob, value in knobs.items())
 
 
 class TitanMesh:

@@ -58,11 +58,15 @@ class PipelinePlan:
         first_stage: modules only the first stage holds (e.g. the token embedding).
         last_stage: modules only the last stage holds (e.g. final norm and output projection).
         split_batch: ``batch -> (first stage input, loss target)``.
+        log_loss: ``(stage, loss) -> None``, how the module logs the loss of a step (``stage`` is "train", "val"
+            or "test"). The schedule runs in place of the module's ``*_step``, so the module says here what its
+            steps would have logged; PP refuses a plan without it.
     """
 
     first_stage: tuple[str, ...]
     last_stage: tuple[str, ...]
     split_batch: Callable[[Any], tuple[Tensor, Tensor | None]] = input_ids_and_labels
+    log_loss: Callable[[str, Tensor], None] | None = None
 
 
 @dataclass(frozen=True)

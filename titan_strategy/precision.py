@@ -1,4 +1,5 @@
-"""Trainer precision mapped onto FSDP2 mixed precision, and DTensor-aware gradient clipping."""
+"""Trainer precision, decided once per setup (FSDP2 mixed precision, master weights or autocast), and
+DTensor-aware gradient clipping."""
 
 from __future__ import annotations
 
@@ -13,41 +14,52 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
 from titan_strategy.grad_norm import clip_grad_norm_, clip_scale, total_grad_norm
 from titan_strategy.kernels.adamw import TritonAdamW
+from titan_strategy.knobs import choices
+from titan_strategy.master_weights import MasterWeights, hold_master_weights_where_exact
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["TitanPrecision", "SUPPORTED_PRECISION", "to_titan_precision"]
+    from titan_strategy.runtime import ParallelRuntime
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed")
+__all__ = ["PrecisionMode", "SUPPORTED_PRECISION", "TitanPrecision", "configure_precision", "to_titan_precision"]
+
+TrainerPrecision = Literal["32-true", "bf16-mixed"]
+SUPPORTED_PRECISION: tuple[str, ...] = choices(TrainerPrecision)
+PrecisionMode = Literal["fp32", "fsdp_mixed", "autocast", "master_weights"]
+"""How a step computes: fp32 throughout; bf16 through FSDP2's MixedPrecisionPolicy (sharded); bf16 parameters
+with fp32 masters in TritonAdamW (``master_weights.py``); or fp32 parameters under autocast."""
 
 
 class TitanPrecision(Precision):
     """``"bf16-mixed"`` keeps fp32 master weights, computes in bf16 and reduces gradients in fp32.
 
-    For a module the strategy shards, FSDP2's ``MixedPrecisionPolicy`` does the casting, so no autocast
-    runs. On a single device (no FSDP) the strategy may give the parameters bf16 values with fp32 masters in
-    TritonAdamW instead (``master_weights.py``); otherwise there, and for a module that parallelized itself,
-    autocast does, as Lightning would run it.
+    How is ``mode``'s, which ``configure_precision`` sets once the model and its optimizers exist.
     """
 
-    def __init__(self, precision: Literal["32-true", "bf16-mixed"], device_type: str) -> None:
+    def __init__(self, precision: TrainerPrecision, device_type: str) -> None:
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
                 f"TitanStrategy does not support precision={precision!r}; use one of {SUPPORTED_PRECISION}."
             )
         self.precision = precision
         self.device_type = device_type
-        self.use_autocast = False
+        self.mode: PrecisionMode = "fp32" if precision == "32-true" else "autocast"
         self.on_grad_norm: Callable[[Tensor], None] | None = None
         # Set by the strategy: waits until an async checkpoint has copied the parameters the step will change.
         self.before_parameter_update: Callable[[], None] | None = None
-        # Set by the strategy under pipeline parallelism: the norm spans every stage's parameters.
+        # Under pipeline parallelism: the norm spans every stage's parameters.
         self.grad_norm_group: ProcessGroup | None = None
         self._clip_scale_of: Optimizer | None = None  # the optimizer whose step divides by this step's clip scale
         self._norm_reported = False  # whether this step's clipping logged the norm it clipped by
+
+    @property
+    def use_autocast(self) -> bool:
+        return self.mode == "autocast"
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -60,8 +72,7 @@ class TitanPrecision(Precision):
     @contextmanager
     @override
     def forward_context(self) -> Generator[None, None, None]:
-        autocast = self.use_autocast and self.param_dtype is not None
-        with torch.autocast(self.device_type, dtype=self.param_dtype) if autocast else nullcontext():
+        with torch.autocast(self.device_type, dtype=self.param_dtype) if self.mode == "autocast" else nullcontext():
             yield
 
     @override
@@ -121,3 +132,35 @@ def to_titan_precision(plugin: Precision | None) -> TitanPrecision | None:
         f"TitanStrategy does not support precision={getattr(plugin, 'precision', type(plugin).__name__)!r}; "
         f"use Trainer(precision=...) with one of {SUPPORTED_PRECISION}."
     )
+
+
+def configure_precision(plugin: TitanPrecision, module: pl.LightningModule, runtime: ParallelRuntime | None,
+                        optimizers: list[Optimizer]) -> MasterWeights | None:
+    """Decide how this run computes and set ``plugin`` up for it: the one place precision is chosen.
+
+    - "32-true": fp32.
+    - A module that parallelized itself (no runtime): autocast, as Lightning runs it.
+    - A module FSDP shards: FSDP2's mixed precision (``parallelize`` gave it the policy).
+    - An unsharded module whose every parameter TritonAdamW updates, with one backward per step: master weights.
+    - Otherwise autocast.
+
+    Returns:
+        The master weights to release at teardown, where they were chosen.
+    """
+    plugin.grad_norm_group = runtime.grad_norm_group if runtime is not None else None
+    master = None
+    if plugin.param_dtype is None:
+        mode: PrecisionMode = "fp32"
+    elif runtime is None:
+        mode = "autocast"
+    elif runtime.sharded:
+        mode = "fsdp_mixed"
+    else:
+        master = hold_master_weights_where_exact(module, optimizers, plugin.param_dtype,
+                                                 pipelined=runtime.pipeline is not None)
+        mode = "master_weights" if master is not None else "autocast"
+    plugin.mode = mode
+    if master is not None:
+        rank_zero_info("TitanStrategy: bf16-mixed on an unsharded model with TritonAdamW: the parameters hold "
+                       "bf16 values and TritonAdamW their fp32 masters (no casts in the step).")
+    return master

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from threading import Lock
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -45,10 +45,13 @@ from titan_strategy.checkpoint.dcp import LIGHTNING_STATE_FILE, RankPlace, split
 from titan_strategy.checkpoint.manifest import file_checksums, write_manifest
 from titan_strategy.checkpoint.rng import capture_rng_states
 from titan_strategy.checkpoint.weights import read_hyper_parameters, read_model_weights
+from titan_strategy.knobs import check_choice, choices
 
-__all__ = ["CHECKPOINT_MODES", "DistributedCheckpointIO", "SaveTiming", "partial_path"]
+__all__ = ["CHECKPOINT_MODES", "CheckpointMode", "DistributedCheckpointIO", "SaveTiming", "checked_checkpoint_io",
+           "checkpoint_io_for", "partial_path"]
 
-CHECKPOINT_MODES = ("sync", "async", "async_pinned")
+CheckpointMode = Literal["sync", "async", "async_pinned"]
+CHECKPOINT_MODES: tuple[str, ...] = choices(CheckpointMode)
 _WRITER_THREADS = 4  # files written (and checksummed) in parallel per rank: one thread leaves disks idle
 
 
@@ -117,9 +120,8 @@ class DistributedCheckpointIO(CheckpointIO):
     The strategy calls ``setup`` once its process groups exist. ``timings`` records each save.
     """
 
-    def __init__(self, mode: str = "sync") -> None:
-        if mode not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint_mode={mode!r} must be one of {list(CHECKPOINT_MODES)}.")
+    def __init__(self, mode: CheckpointMode = "sync") -> None:
+        check_choice("checkpoint_mode", mode, CheckpointMode)
         self.mode = mode
         self.timings: list[SaveTiming] = []
         self._group: dist.ProcessGroup | None = None
@@ -300,3 +302,21 @@ class DistributedCheckpointIO(CheckpointIO):
             self.flush()
         except RuntimeError as error:
             rank_zero_warn(f"{error} ({error.__cause__!r})")
+
+
+def checked_checkpoint_io(io: CheckpointIO | None) -> DistributedCheckpointIO:
+    """``io``, where it is one TitanStrategy can write through (a checkpoint-IO plugin given to the Trainer)."""
+    if not isinstance(io, DistributedCheckpointIO):
+        raise ValueError(f"TitanStrategy writes sharded checkpoints through DistributedCheckpointIO, not "
+                         f"{type(io).__name__}; remove that plugin and choose TitanStrategy(checkpoint_mode=...).")
+    return io
+
+
+def checkpoint_io_for(mode: CheckpointMode, io: CheckpointIO | None) -> DistributedCheckpointIO:
+    """The checkpoint IO of ``TitanStrategy(checkpoint_mode=mode, checkpoint_io=io)``: ``io`` if given (its mode
+    must agree), else a new one of ``mode``."""
+    if io is None:
+        return DistributedCheckpointIO(mode)
+    if checked_checkpoint_io(io).mode != mode:
+        raise ValueError(f"checkpoint_mode={mode!r} contradicts checkpoint_io (mode {io.mode!r}); pass one of them.")
+    return io

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng_states", "restore_rng_states"]
+__all__ = ["ResumedRngStates", "capture_rng_states", "restore_rng_states"]
 
 
 def capture_rng_states(device: torch.device) -> dict[str, Any]:
@@ -34,3 +34,24 @@ def restore_rng_states(states: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(states["torch"])
     if device.type == "cuda" and "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"], device)
+
+
+class ResumedRngStates:
+    """The RNG states a loaded checkpoint holds, restored where the uninterrupted run would have had them:
+    at once when they were saved at an epoch's end (the next epoch's dataloader draws its seed next), else
+    before the next training batch (saved mid-epoch, where no new iterator draws a seed)."""
+
+    def __init__(self) -> None:
+        self._for_next_batch: dict[str, Any] | None = None
+
+    def loaded(self, states: dict[str, Any] | None, before_next_epoch: bool, device: torch.device) -> None:
+        """``states`` of a checkpoint just loaded (None: saved by another number of ranks)."""
+        if states is not None and before_next_epoch:
+            restore_rng_states(states, device)
+        else:
+            self._for_next_batch = states
+
+    def before_batch(self, device: torch.device) -> None:
+        if self._for_next_batch is not None:
+            restore_rng_states(self._for_next_batch, device)
+            self._for_next_batch = None

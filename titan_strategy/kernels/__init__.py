@@ -1,1 +1,9 @@
-"""Kernels that models may call where torch's own are slower; each is optional and says what it needs."""
+"""Kernels that models may call where torch's own are slower; each is optional and says what it needs.
+
+Public: a LightningModule builds its optimizer and attention with these under any strategy.
+"""
+
+from titan_strategy.kernels.adamw import ADAMW_KERNELS, TritonAdamW, build_adamw
+from titan_strategy.kernels.flash_attention4 import check_flash_attention4, flash_attention4
+
+__all__ = ["ADAMW_KERNELS", "TritonAdamW", "build_adamw", "check_flash_attention4", "flash_attention4"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -10,49 +10,21 @@ from torch import nn
 from titan_strategy.mesh import ParallelDims, TitanMesh
 from titan_strategy.parallelize.activation_checkpoint import apply_ac
 from titan_strategy.parallelize.compile import apply_compile
-from titan_strategy.parallelize.context_parallel import apply_cp, check_cp_plan
+from titan_strategy.parallelize.context_parallel import SequenceSharder, apply_cp, check_cp_plan
 from titan_strategy.parallelize.float8 import apply_float8
-from titan_strategy.parallelize.fsdp import ReshardPolicy, apply_fsdp, fsdp_wraps
+from titan_strategy.parallelize.fsdp import apply_fsdp, fsdp_wraps
 from titan_strategy.parallelize.materialize import materialize
 from titan_strategy.parallelize.tensor_parallel import apply_tp, check_tp_plan
-from titan_strategy.pipeline.layout import PipelineConfig, PipelineLayout
+from titan_strategy.pipeline.layout import PipelineLayout
+from titan_strategy.pipeline.runner import LossFn, PipelineRunner, token_cross_entropy
 from titan_strategy.pipeline.split import has_submodule, split_for_rank, stage_module_names
 from titan_strategy.plan import ParallelPlan
+from titan_strategy.runtime import ParallelRuntime
 
-__all__ = ["ParallelizeConfig", "ParallelizedModel", "parallelize", "check_plan"]
+if TYPE_CHECKING:
+    from titan_strategy.config import TitanConfig
 
-
-@dataclass(frozen=True)
-class ParallelizeConfig:
-    """The strategy knobs that shape parallelization."""
-
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-    reshard_after_forward: ReshardPolicy
-    sequence_parallel: bool
-    loss_parallel: bool
-    async_tp: bool
-    compile: bool
-    activation_checkpointing: str
-    activation_checkpointing_every: int
-    float8: str
-    pipeline: PipelineConfig
-
-
-@dataclass(frozen=True)
-class ParallelizedModel:
-    """What ``parallelize`` made: the modules this rank runs and, under PP, the pipeline layout.
-
-    Attributes:
-        parts: the pipeline stages this rank runs (in stage order), or the whole model without PP.
-        layout: stage split and placement; None without PP.
-        sharded: FSDP wraps the parts, and its mixed-precision policy casts their parameters. On a single
-            device nothing is sharded and the caller runs the forward under autocast instead.
-    """
-
-    parts: list[nn.Module]
-    layout: PipelineLayout | None
-    sharded: bool
+__all__ = ["parallelize", "check_plan"]
 
 
 def _resolve_units(plan: ParallelPlan, part: nn.Module) -> list[list[nn.Module]]:
@@ -65,14 +37,14 @@ def _resolve_units(plan: ParallelPlan, part: nn.Module) -> list[list[nn.Module]]
     return units
 
 
-def check_plan(plan: ParallelPlan, dims: ParallelDims, config: ParallelizeConfig) -> PipelineLayout | None:
+def check_plan(plan: ParallelPlan, dims: ParallelDims, config: TitanConfig) -> PipelineLayout | None:
     """Everything about the plan that can be wrong, checked before the model is touched.
 
     Returns:
         The pipeline layout under PP, else None.
     """
     if dims.tp > 1:
-        check_tp_plan(plan.tensor_parallel, dims.tp, loss_parallel=config.loss_parallel)
+        check_tp_plan(plan.tensor_parallel, dims.tp, loss_parallel=config.tensor_parallel.loss_parallel)
     if dims.cp > 1:
         check_cp_plan(plan.context_parallel, dims.cp)
     if dims.pp == 1:
@@ -80,12 +52,20 @@ def check_plan(plan: ParallelPlan, dims: ParallelDims, config: ParallelizeConfig
     if plan.pipeline is None:
         raise ValueError(f"pipeline_parallel_size={dims.pp}, but the module's parallel_plan() declares no pipeline plan; "
                          "set pipeline_parallel_size=1 or add one (see llama_module/plan.py).")
+    if plan.pipeline.log_loss is None:
+        raise ValueError(f"pipeline_parallel_size={dims.pp} runs the schedule in place of the module's steps, so "
+                         "their logging; the module's PipelinePlan must say how it logs a loss (log_loss=...), see "
+                         "llama_module/plan.py.")
     return config.pipeline.resolve(len(plan.blocks))
 
 
-def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config: ParallelizeConfig,
-                device: torch.device) -> ParallelizedModel:
-    """Parallelize ``plan.model`` in place (it is on the meta device), then materialize it.
+def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config: TitanConfig, device: torch.device,
+                *, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                pipeline_loss: LossFn | None = None) -> ParallelRuntime:
+    """Parallelize ``plan.model`` in place (it is on the meta device), materialize it, and return its runtime.
+
+    ``param_dtype``/``reduce_dtype`` are FSDP's mixed precision; ``pipeline_loss`` is the loss of one
+    microbatch under PP (default: token cross-entropy ignoring -100).
 
     Order matters: the pipeline split first, on the meta model, so each stage keeps the full
     model's parameter names; float8 next, since it swaps the linear modules that every later step
@@ -110,26 +90,48 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.hsdp_enabled else mesh["dp_shard_cp"]
     # Under PP every stage runs several microbatch forwards before their backwards; resharding after
     # each would all-gather the same weights once per microbatch, so "default" keeps them gathered.
-    reshard = "never" if layout is not None and config.reshard_after_forward == "default" else \
-        config.reshard_after_forward
+    reshard = config.fsdp.reshard_after_forward
+    reshard = "never" if layout is not None and reshard == "default" else reshard
     sharded = fsdp_wraps(dims.world_size)
+    tp, ac, float8 = config.tensor_parallel, config.activation_checkpointing, config.float8.recipe
     for part in parts:
-        apply_float8(part, config.float8, plan.float8_skip, fsdp_all_gather=sharded)
+        apply_float8(part, float8, plan.float8_skip, fsdp_all_gather=sharded)
         if dims.tp > 1:
             assert plan.tensor_parallel is not None
-            apply_tp(part, mesh["tp"], plan.tensor_parallel, sequence_parallel=config.sequence_parallel,
-                     loss_parallel=config.loss_parallel, async_tp=config.async_tp)
+            apply_tp(part, mesh["tp"], plan.tensor_parallel, sequence_parallel=tp.sequence_parallel,
+                     loss_parallel=tp.loss_parallel, async_tp=tp.async_tp)
         if dims.cp > 1:
             assert plan.context_parallel is not None
             apply_cp(part, mesh["cp"], plan.context_parallel)
         blocks = {block: index for index, block in enumerate(plan.blocks) if has_submodule(part, block)}
-        apply_ac(part, blocks, config.activation_checkpointing, config.activation_checkpointing_every)
-        if config.compile:
+        apply_ac(part, blocks, ac.mode, ac.every)
+        if config.compile.blocks:
             apply_compile(part, tuple(blocks))
         if sharded:
-            apply_fsdp(part, _resolve_units(plan, part), dp_mesh, param_dtype=config.param_dtype,
-                       reduce_dtype=config.reduce_dtype, reshard_after_forward=reshard)
+            apply_fsdp(part, _resolve_units(plan, part), dp_mesh, param_dtype=param_dtype,
+                       reduce_dtype=reduce_dtype, reshard_after_forward=reshard)
     # plan.model holds every part's parameters under their full-model names, so initialization
     # by (seed, name) gives each stage the weights of the unsplit model.
     materialize(plan.model, device, plan.init_weights)
-    return ParallelizedModel(parts=parts, layout=layout, sharded=sharded)
+    return _runtime(plan, parts, layout, sharded, mesh, dims, config, device, pipeline_loss)
+
+
+def _runtime(plan: ParallelPlan, parts: list[nn.Module], layout: PipelineLayout | None, sharded: bool,
+             mesh: TitanMesh, dims: ParallelDims, config: TitanConfig, device: torch.device,
+             pipeline_loss: LossFn | None) -> ParallelRuntime:
+    """The per-step side of what was applied: sequence sharding under CP, the schedule under PP."""
+    sharder = None
+    if dims.cp > 1:
+        assert plan.context_parallel is not None
+        sharder = SequenceSharder(plan.model, mesh["cp"], plan.context_parallel, config.context_parallel.rotate_method)
+    pipeline = None
+    if layout is not None:
+        assert plan.pipeline is not None
+        pipeline = PipelineRunner(plan.model, parts, layout, config.pipeline, plan.pipeline,
+                                  pipeline_loss or token_cross_entropy, mesh["pp"], device)
+    tp = config.tensor_parallel
+    return ParallelRuntime(
+        plan=plan, parts=parts, layout=layout, sharded=sharded, loss_parallel=dims.tp > 1 and tp.loss_parallel,
+        sequence_parallel_tp=dims.tp if dims.tp > 1 and tp.sequence_parallel else 1, sharder=sharder,
+        pipeline=pipeline, float8_all_gather=config.float8.recipe == "tensorwise" and sharded,
+    )

@@ -12,19 +12,21 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import titan_strategy.kernels.flash_attention4  # noqa: F401 -- registers torch.ops.titan.flash_attention4
+from titan_strategy.knobs import check_choice, knob
 
-__all__ = ["AC_MODES", "apply_ac", "check_ac"]
+__all__ = ["ACMode", "ActivationCheckpointConfig", "apply_ac"]
 
 log = logging.getLogger(__name__)
 
-AC_MODES = ("none", "full", "selective_op", "selective_layer")
+ACMode = Literal["none", "full", "selective_op", "selective_layer"]
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
@@ -39,15 +41,22 @@ if hasattr(_aten, "_scaled_mm"):
     _MATMULS.add(_aten._scaled_mm.default)
 
 
-def check_ac(mode: str, every: int) -> None:
-    if mode not in AC_MODES:
-        raise ValueError(f"activation_checkpointing={mode!r} must be one of {list(AC_MODES)}.")
-    if every < 1:
-        raise ValueError(f"activation_checkpointing_every={every} must be >= 1 (selective_layer checkpoints "
-                         "every that many-th block).")
+@dataclass(frozen=True)
+class ActivationCheckpointConfig:
+    """How much of each block's activations backward recomputes instead of keeping (the module docstring's modes)."""
+
+    mode: ACMode = knob("activation_checkpointing", "none")
+    every: int = knob("activation_checkpointing_every", 2)
+    """The k of "selective_layer": every k-th block is checkpointed."""
+
+    def __post_init__(self) -> None:
+        check_choice("activation_checkpointing", self.mode, ACMode)
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"activation_checkpointing_every={self.every} must be >= 1 (selective_layer checkpoints "
+                             "every that many-th block).")
 
 
-def apply_ac(model: nn.Module, blocks: dict[str, int], mode: str, every: int = 2) -> None:
+def apply_ac(model: nn.Module, blocks: dict[str, int], mode: ACMode, every: int = 2) -> None:
     """Checkpoint the ``forward`` of the blocks in place.
 
     Args:
@@ -60,7 +69,6 @@ def apply_ac(model: nn.Module, blocks: dict[str, int], mode: str, every: int = 2
     plain model. Hooks on the block (FSDP's all-gather) stay outside the checkpointed region and have
     gathered the weights again by the time backward recomputes it.
     """
-    check_ac(mode, every)
     if mode == "none":
         return
     chosen = [name for name, index in blocks.items() if mode != "selective_layer" or (index + 1) % every == 0]

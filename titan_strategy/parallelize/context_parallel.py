@@ -18,8 +18,9 @@ import fnmatch
 import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -32,16 +33,28 @@ from torch.distributed.tensor.experimental._context_parallel import (
     _enable_context_parallel_dispatcher,
 )
 
+from titan_strategy.knobs import check_choice, knob
 from titan_strategy.plan import ContextParallelPlan
 
-__all__ = ["ROTATE_METHODS", "SequenceSharder", "apply_cp", "check_cp_plan", "check_cp_sequence_length",
-           "ring_attention"]
+__all__ = ["ContextParallelConfig", "RotateMethod", "SequenceSharder", "apply_cp", "check_cp_plan",
+           "check_cp_sequence_length", "ring_attention"]
 
 log = logging.getLogger(__name__)
 
-ROTATE_METHODS = ("allgather", "alltoall")
+RotateMethod = Literal["allgather", "alltoall"]
 _SEQ_DIM = 2  # of the (batch, heads, seq, head_dim) tensors attention sees
 _aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ContextParallelConfig:
+    """How the ring passes key/value shards; the degree is the mesh's (``MeshConfig.cp``)."""
+
+    rotate_method: RotateMethod = knob("context_parallel_rotate_method", "allgather")
+    """"allgather" (gathered once per attention call) or "alltoall" (passed to the next rank at each ring step)."""
+
+    def __post_init__(self) -> None:
+        check_choice("context_parallel_rotate_method", self.rotate_method, RotateMethod)
 
 
 def check_cp_plan(plan: ContextParallelPlan | None, cp: int) -> None:
@@ -143,7 +156,7 @@ _CPU_HANDLERS = {
 
 
 @contextmanager
-def ring_attention(rotate_method: str) -> Generator[None, None, None]:
+def ring_attention(rotate_method: RotateMethod) -> Generator[None, None, None]:
     """Within: attention on sequence-sharded DTensors runs as load-balanced ring attention, forward and backward.
 
     Re-entrant (a manual ``backward`` inside a step), and it leaves torch's global CP options as it found them.
@@ -176,10 +189,11 @@ class SequenceSharder:
         model: the model whose ``plan.buffers`` are swapped for their shards during a step.
         mesh: the ``cp`` mesh.
         plan: what to cut.
-        rotate_method: how key/value shards travel round the ring, one of ``ROTATE_METHODS``.
+        rotate_method: how key/value shards travel round the ring.
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: ContextParallelPlan, rotate_method: str) -> None:
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: ContextParallelPlan,
+                 rotate_method: RotateMethod) -> None:
         self.mesh = mesh
         self.plan = plan
         self.rotate_method = rotate_method

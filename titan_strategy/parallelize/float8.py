@@ -12,32 +12,43 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 from titan_strategy.gpu import check_gpu_capability
+from titan_strategy.knobs import check_choice, knob
 
-__all__ = ["FLOAT8_RECIPES", "apply_float8", "check_float8_device", "precompute_float8_scales"]
+__all__ = ["Float8Config", "Float8Recipe", "apply_float8", "precompute_float8_scales"]
 
 log = logging.getLogger(__name__)
 
-FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
+Float8Recipe = Literal["none", "tensorwise", "rowwise"]
 # float8 tensor cores arrived with Ada/Hopper (SM 8.9).
 _MIN_CAPABILITY = (8, 9)
 # torch's float8 matmul needs both dims of every operand divisible by 16.
 _ALIGNMENT = 16
 
 
-def check_float8_device(recipe: str, device: torch.device) -> None:
-    """Refuse float8 where it cannot run: before the process builds anything."""
-    if recipe == "none":
-        return
-    check_gpu_capability(device, _MIN_CAPABILITY, f"float8={recipe!r}", "H100, H200, L40, B200...",
-                         "use float8='none'")
+@dataclass(frozen=True)
+class Float8Config:
+    """torchao float8 training of the linear layers (the plan's ``float8_skip`` stays bf16)."""
+
+    recipe: Float8Recipe = knob("float8", "none")
+
+    def __post_init__(self) -> None:
+        check_choice("float8", self.recipe, Float8Recipe)
+
+    def check_device(self, device: torch.device) -> None:
+        """Refuse float8 where it cannot run: before the process builds anything."""
+        if self.recipe != "none":
+            check_gpu_capability(device, _MIN_CAPABILITY, f"float8={self.recipe!r}", "H100, H200, L40, B200...",
+                                 "use float8='none'")
 
 
-def apply_float8(model: nn.Module, recipe: str, skip: tuple[str, ...], fsdp_all_gather: bool) -> int:
+def apply_float8(model: nn.Module, recipe: Float8Recipe, skip: tuple[str, ...], fsdp_all_gather: bool) -> int:
     """Swap the eligible ``nn.Linear`` layers of ``model`` for torchao's ``Float8Linear``, in place.
 
     Eligible: not named in ``skip`` (the output projection: its logits need the precision), and with

@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["apply_fsdp", "fsdp_wraps", "ReshardPolicy"]
+from titan_strategy.knobs import check_choice, knob
+
+__all__ = ["FSDPConfig", "ReshardPolicy", "apply_fsdp", "fsdp_wraps", "no_gradient_sync"]
 
 log = logging.getLogger(__name__)
 
 ReshardPolicy = Literal["default", "always", "never"]
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """FSDP2's knob; the shard and replicate degrees are the mesh's (``MeshConfig``)."""
+
+    reshard_after_forward: ReshardPolicy = knob("fsdp_reshard_after_forward", "default")
+    """"default" frees gathered parameters after forward but in the last unit; "always" or "never"."""
+
+    def __post_init__(self) -> None:
+        check_choice("fsdp_reshard_after_forward", self.reshard_after_forward, ReshardPolicy)
 
 
 def fsdp_wraps(world_size: int) -> bool:
@@ -54,3 +70,16 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward != "never")
     kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP"
     log.info("Applied %s to the model over %s (%d units, param dtype %s)", kind, dp_mesh.shape, len(units), param_dtype)
+
+
+@contextmanager
+def no_gradient_sync(module: nn.Module) -> Generator[None, None, None]:
+    """Within, backward accumulates local gradients: no FSDP module of ``module`` reduce-scatters them."""
+    fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for fsdp_module in fsdp_modules:
+        fsdp_module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for fsdp_module in fsdp_modules:
+            fsdp_module.set_requires_gradient_sync(True, recurse=False)

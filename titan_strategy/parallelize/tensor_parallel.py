@@ -6,6 +6,7 @@ import fnmatch
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,11 +15,30 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+from titan_strategy.knobs import knob
 from titan_strategy.plan import TensorParallelPlan
 
-__all__ = ["apply_tp", "check_tp_plan", "check_sequence_length", "loss_parallel_context", "as_local_loss"]
+__all__ = ["TensorParallelConfig", "apply_tp", "as_local_loss", "check_sequence_length", "check_tp_plan",
+           "logging_local_values", "loss_parallel_context"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """How tensor parallelism splits the model; its degree is the mesh's (``MeshConfig.tp``)."""
+
+    sequence_parallel: bool = knob("sequence_parallel", True)
+    """Shard norms and residuals on the sequence dim too (less memory)."""
+    loss_parallel: bool = knob("loss_parallel", True)
+    """Keep the logits sharded on the vocabulary and compute the loss that way."""
+    async_tp: bool = knob("async_tensor_parallel", False)
+    """Overlap TP communication with the matmuls (AsyncTP: an inductor pass, CUDA symmetric memory)."""
+
+    def check_device(self, device: torch.device) -> None:
+        if self.async_tp and device.type != "cuda":
+            raise ValueError(f"async_tensor_parallel=True runs on CUDA only (symmetric memory), not on "
+                             f"{device.type!r}; set async_tensor_parallel=False.")
 
 
 def check_tp_plan(plan: TensorParallelPlan | None, tp: int, *, loss_parallel: bool) -> None:
@@ -84,3 +104,18 @@ def as_local_loss(value: Any) -> Any:
     vocab-parallel cross-entropy.
     """
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+@contextmanager
+def logging_local_values(module: Any) -> Generator[None, None, None]:
+    """Let the LightningModule's ``self.log`` take the replicated DTensor loss that loss parallel produces."""
+    log_value = module.log
+
+    def log_local(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        log_value(name, as_local_loss(value), *args, **kwargs)
+
+    module.log = log_local
+    try:
+        yield
+    finally:
+        del module.log

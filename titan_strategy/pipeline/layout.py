@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal
+
+from titan_strategy.knobs import check_choice, check_positive, choices, knob
 
 __all__ = ["PIPELINE_SCHEDULES", "PipelineConfig", "PipelineLayout", "ScheduleName", "check_microbatch_split"]
 
 ScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                        "DualPipeV"]
-PIPELINE_SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+PIPELINE_SCHEDULES: tuple[str, ...] = choices(ScheduleName)
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 # Schedules that split backward into input- and weight-gradient passes; torch refuses compiled stages for them.
@@ -56,21 +58,22 @@ class PipelineConfig:
         split_points: block indices where stages 1, 2, ... begin (an explicit split).
     """
 
-    size: int
-    schedule: str = "1F1B"
-    microbatches: int | None = None
-    stages_per_rank: int | None = None
-    layers_per_stage: int | None = None
-    split_points: tuple[int, ...] | None = None
+    size: int = knob("pipeline_parallel_size", 1)
+    schedule: ScheduleName = knob("pipeline_schedule", "1F1B")
+    microbatches: int | None = knob("pipeline_microbatches", None)
+    stages_per_rank: int | None = knob("pipeline_stages_per_rank", None)
+    layers_per_stage: int | None = knob("pipeline_layers_per_stage", None)
+    split_points: tuple[int, ...] | None = knob("pipeline_split_points", None)
 
     def __post_init__(self) -> None:
-        if self.schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"pipeline_schedule={self.schedule!r} is unknown; choose one of {list(PIPELINE_SCHEDULES)}.")
-        for knob, value in (("pipeline_microbatches", self.microbatches),
+        if self.split_points is not None and not isinstance(self.split_points, tuple):
+            object.__setattr__(self, "split_points", tuple(self.split_points))  # YAML gives a list
+        check_choice("pipeline_schedule", self.schedule, ScheduleName)
+        check_positive("pipeline_parallel_size", self.size)
+        for name, value in (("pipeline_microbatches", self.microbatches),
                             ("pipeline_stages_per_rank", self.stages_per_rank),
                             ("pipeline_layers_per_stage", self.layers_per_stage)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{knob}={value!r} must be a positive integer or None.")
+            check_positive(name, value, optional=True)
         if self.layers_per_stage is not None and self.split_points is not None:
             raise ValueError("Set pipeline_layers_per_stage or pipeline_split_points, not both: each fixes the split.")
         if self.split_points is not None and list(self.split_points) != sorted(set(self.split_points)):
@@ -82,6 +85,13 @@ class PipelineConfig:
         if spr is not None and self.schedule in V_SCHEDULES and spr != 2:
             raise ValueError(f"pipeline_schedule={self.schedule!r} places exactly 2 stages per rank in a V, but "
                              f"pipeline_stages_per_rank={spr}; use 2 (or leave it unset).")
+
+    def check_module(self, module: Any) -> None:
+        """Under PP the schedule runs forward and backward: the LightningModule cannot optimize by hand."""
+        if self.size > 1 and not module.automatic_optimization:
+            raise ValueError(f"pipeline_parallel_size={self.size} runs forward and backward inside the pipeline "
+                             "schedule, which needs Lightning's automatic optimization; remove "
+                             "`self.automatic_optimization = False` or set pipeline_parallel_size=1.")
 
     @property
     def is_single_stage(self) -> bool:

@@ -65,7 +65,7 @@ class _ForwardPipeline:
                  group: dist.ProcessGroup, device: torch.device) -> None:
         self._stages = list(zip(stage_ids, stage_modules))
         self._layout = layout
-        self._group = group
+        self.group = group
         self._device = device
         self._rank = dist.get_rank(group)
 
@@ -93,14 +93,14 @@ class _ForwardPipeline:
         header[0], header[1 : 1 + tensor.ndim] = tensor.ndim, torch.tensor(tensor.shape)
         header[-1] = _DTYPES.index(tensor.dtype)
         buffers = (header.to(self._device), tensor.contiguous())
-        return [(dist.isend(buffer, group=self._group, group_dst=rank), buffer) for buffer in buffers]
+        return [(dist.isend(buffer, group=self.group, group_dst=rank), buffer) for buffer in buffers]
 
     def _recv(self, rank: int) -> Tensor:
         header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=self._device)
-        dist.recv(header, group=self._group, group_src=rank)
+        dist.recv(header, group=self.group, group_src=rank)
         ndim, shape = int(header[0]), header[1:-1].tolist()
         tensor = torch.empty(shape[:ndim], dtype=_DTYPES[int(header[-1])], device=self._device)
-        dist.recv(tensor, group=self._group, group_src=rank)
+        dist.recv(tensor, group=self.group, group_src=rank)
         return tensor
 
 
@@ -123,9 +123,9 @@ class PipelineRunner:
                  device: torch.device) -> None:
         self.stage_modules = stage_modules
         self.layout = layout
+        self.group = pp_mesh.get_group()
         self._plan = plan
         self._loss_fn = loss_fn
-        self._group = pp_mesh.get_group()
         self._device = device
         stage_ids = layout.stages_of(pp_mesh.get_local_rank())
         self._holds_first = 0 in stage_ids
@@ -139,12 +139,12 @@ class PipelineRunner:
         self._loss_scale = 1.0
         self._set_aside: list[tuple[nn.Parameter, Tensor]] = []
         self._schedule = self._build_schedule(config.schedule, stage_ids)
-        self._forward_only = _ForwardPipeline(stage_modules, stage_ids, layout, self._group, device)
+        self._forward_only = _ForwardPipeline(stage_modules, stage_ids, layout, self.group, device)
         log.info("Pipeline stages %s of %d on this rank (%s, %d microbatches)", stage_ids, layout.num_stages,
                  config.schedule, layout.microbatches)
 
     def _build_schedule(self, name: str, stage_ids: list[int]) -> Any:
-        stages = [_Stage(module, index, self.layout.num_stages, self._device, group=self._group)
+        stages = [_Stage(module, index, self.layout.num_stages, self._device, group=self.group)
                   for index, module in zip(stage_ids, self.stage_modules)]
         schedule_cls = get_schedule_class(name)
         # scale_grads=False: torch would divide *all* gradients by the microbatch count after every
@@ -211,16 +211,16 @@ class PipelineRunner:
         # fp32 on every rank, whatever dtype the module's loss has: the broadcast needs one buffer layout.
         total = torch.stack([loss.detach().float() for loss in losses]).sum() if self._holds_last else \
             torch.zeros((), device=self._device)
-        dist.broadcast(total, group=self._group, group_src=self.layout.ranks[-1])
+        dist.broadcast(total, group=self.group, group_src=self.layout.ranks[-1])
         return total
 
     def _broadcast_output(self, output: Tensor | None) -> Tensor:
         source = self.layout.ranks[-1]
         meta = [(output.shape, output.dtype) if output is not None else None]
-        dist.broadcast_object_list(meta, group=self._group, group_src=source)
+        dist.broadcast_object_list(meta, group=self.group, group_src=source)
         shape, dtype = meta[0]
         buffer = output.contiguous() if output is not None else torch.empty(shape, dtype=dtype, device=self._device)
-        dist.broadcast(buffer, group=self._group, group_src=source)
+        dist.broadcast(buffer, group=self.group, group_src=source)
         return buffer
 
     # ---- train/eval mode of the stage views -------------------------------------------------------

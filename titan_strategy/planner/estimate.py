@@ -9,11 +9,13 @@ compute, stretched by the pipeline bubble. Every constant is named and says wher
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from titan_strategy.parallelize.fsdp import fsdp_wraps
 from titan_strategy.planner.hardware import GPU
 
-__all__ = ["Job", "Layout", "ModelShape", "Estimate", "estimate", "SCHEDULES", "AC_MODES"]
+__all__ = ["Job", "Layout", "ModelShape", "Estimate", "estimate", "activation_bytes_per_token", "kv_dim",
+           "SCHEDULES", "AC_MODES"]
 
 GIB = 2**30
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")
@@ -57,54 +59,70 @@ RUNTIME_GIB = 2.0
 RECOMPUTE = {"none": 0.0, "selective_op": 0.09, "selective_layer": 0.10, "full": 0.19}
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A Llama-style decoder: GQA attention, SwiGLU feed-forward, untied output projection."""
+@runtime_checkable
+class ModelShape(Protocol):
+    """What the planner reads of a Llama-style decoder (GQA attention, SwiGLU feed-forward, untied output
+    projection): its shape and the model's own parameter and FLOP counts, which the planner never recomputes.
 
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
+    ``llama_module``'s ``LlamaConfig`` is one; the planner imports nothing of the model's package.
+    """
+
+    # Read-only properties rather than attributes, so that a frozen dataclass's fields satisfy them.
+    @property
+    def dim(self) -> int: ...
 
     @property
-    def kv_dim(self) -> int:
-        return self.dim // self.n_heads * self.n_kv_heads
+    def n_layers(self) -> int: ...
+
+    @property
+    def n_heads(self) -> int: ...
+
+    @property
+    def n_kv_heads(self) -> int: ...
+
+    @property
+    def ffn_dim(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
 
     @property
     def block_params(self) -> int:
-        return 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        """Parameters of one transformer block."""
 
-    @property
-    def params(self) -> int:
-        return self.n_layers * self.block_params + 2 * self.vocab_size * self.dim + self.dim
+    def num_params(self, *, exclude_embedding: bool = False) -> int:
+        """All parameters, or all but the embedding table (the untied output projection still counts)."""
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs of training one token: 6 per non-embedding parameter plus attention (full, not causal-halved)."""
-        return 6 * (self.params - self.vocab_size * self.dim) + 12 * self.n_layers * self.dim * seq_len
+        """Model FLOPs of training one token of a ``seq_len``-token sequence (forward, backward, no recompute)."""
 
-    def activation_bytes_per_token(self, ac: str, compiled: bool = True, autocast: bool = False) -> float:
-        """What one block keeps for backward per token, in bf16 values, by AC mode.
 
-        No AC: norm inputs and outputs, q/k/v before and after RoPE, attention output, gate, up and their
-        product (6 x dim + 2 x kv_dim + 3 x ffn_dim values); an eager block adds the fp32 copies its
-        norms and RoPE keep (``EAGER_EXTRA_VALUES`` x dim). selective_op: attention's output and every
-        other matmul's (3 x dim + kv_dim + 1.5 x ffn_dim). full: the block's input. selective_layer (every
-        2nd block, the strategy's default): the mean of none and full.
+def kv_dim(shape: ModelShape) -> int:
+    """Width of the key (or the value) projection's output: the key/value heads' share of ``dim``."""
+    return shape.dim // shape.n_heads * shape.n_kv_heads
 
-        ``autocast`` (a single device, no FSDP): the residual stream stays fp32, so the residual-sized
-        values a block keeps take twice the bytes: the two norm inputs without AC (and an eager block's
-        two norm outputs), the block's input under selective_op and full AC.
-        """
-        d, kv, f = self.dim, self.kv_dim, self.ffn_dim
-        eager = 0 if compiled else EAGER_EXTRA_VALUES * d
-        values = {"none": 6 * d + 2 * kv + 3 * f + eager, "selective_op": 3 * d + kv + 1.5 * f, "full": d}
-        if autocast:
-            fp32_extra = {"none": (2 if compiled else 4) * d, "selective_op": d, "full": d}
-            values = {mode: value + fp32_extra[mode] for mode, value in values.items()}
-        values["selective_layer"] = (values["none"] + values["full"]) / 2
-        return _BF16 * values[ac]
+
+def activation_bytes_per_token(shape: ModelShape, ac: str, compiled: bool = True, autocast: bool = False) -> float:
+    """What one block keeps for backward per token, in bf16 values, by AC mode.
+
+    No AC: norm inputs and outputs, q/k/v before and after RoPE, attention output, gate, up and their
+    product (6 x dim + 2 x kv_dim + 3 x ffn_dim values); an eager block adds the fp32 copies its
+    norms and RoPE keep (``EAGER_EXTRA_VALUES`` x dim). selective_op: attention's output and every
+    other matmul's (3 x dim + kv_dim + 1.5 x ffn_dim). full: the block's input. selective_layer (every
+    2nd block, the strategy's default): the mean of none and full.
+
+    ``autocast`` (a single device, no FSDP): the residual stream stays fp32, so the residual-sized
+    values a block keeps take twice the bytes: the two norm inputs without AC (and an eager block's
+    two norm outputs), the block's input under selective_op and full AC.
+    """
+    d, kv, f = shape.dim, kv_dim(shape), shape.ffn_dim
+    eager = 0 if compiled else EAGER_EXTRA_VALUES * d
+    values = {"none": 6 * d + 2 * kv + 3 * f + eager, "selective_op": 3 * d + kv + 1.5 * f, "full": d}
+    if autocast:
+        fp32_extra = {"none": (2 if compiled else 4) * d, "selective_op": d, "full": d}
+        values = {mode: value + fp32_extra[mode] for mode, value in values.items()}
+    values["selective_layer"] = (values["none"] + values["full"]) / 2
+    return _BF16 * values[ac]
 
 
 @dataclass(frozen=True)
@@ -270,7 +288,7 @@ def estimate(shape: ModelShape, layout: Layout, job: Job) -> Estimate:
     gathered_inputs = 2 * shape.dim * _BF16 * (1 - 1 / layout.tp)
 
     def saved_per_token(ac: str) -> float:
-        return shape.activation_bytes_per_token(ac, job.compiled_blocks, autocast=single_device) / layout.tp + \
+        return activation_bytes_per_token(shape, ac, job.compiled_blocks, autocast=single_device) / layout.tp + \
             (gathered_inputs if ac == "none" else 0.0)
 
     activations = microbatch_tokens * layers * _in_flight_microbatches(layout) * saved_per_token(layout.ac)
@@ -312,7 +330,7 @@ def estimate(shape: ModelShape, layout: Layout, job: Job) -> Estimate:
     tp_bytes = tp_calls * layers * sequences * seq / layout.cp * shape.dim * _BF16
     tp = _ring_time(tp_bytes, layout.tp, link("tp"), calls=int(tp_calls * layers * layout.microbatches))
     # CP: the key/value shards go round the ring once forward and (with their gradients) twice backward.
-    cp_bytes = 3 * 2 * layers * sequences * seq / layout.cp * shape.kv_dim * _BF16 / layout.tp
+    cp_bytes = 3 * 2 * layers * sequences * seq / layout.cp * kv_dim(shape) * _BF16 / layout.tp
     cp = _ring_time(cp_bytes * layout.cp, layout.cp, link("cp"), calls=int(3 * layers * layout.microbatches))
     # PP: every microbatch crosses each stage boundary forward and backward, with its activation.
     boundary_bytes = microbatch_tokens / layout.tp * shape.dim * _BF16

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from titan_strategy.knobs import compiled_zero_bubble_problem
+from titan_strategy.config import compiled_zero_bubble_problem
 from titan_strategy.planner.estimate import AC_MODES, Estimate, Job, Layout, ModelShape, estimate
 
 __all__ = ["Plan", "PlanError", "check_layout", "describe", "explain", "layout_problems", "plan_layouts",
@@ -167,7 +167,7 @@ def plan_layouts(shape: ModelShape, job: Job, top: int = 10) -> list[Plan]:
                         "hold the same number of ranks.")
     plans = _feasible(shape, job)
     if not plans:
-        params_gib = shape.params * 16 / 2**30
+        params_gib = shape.num_params() * 16 / 2**30
         raise PlanError(
             f"No layout of {job.gpus} x {job.gpu.name} ({job.gpu.memory_gib:g} GiB) fits this model at seq_len "
             f"{job.seq_len} and {job.global_batch_tokens} tokens per step, even at the largest degrees and full AC "

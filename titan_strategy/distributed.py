@@ -1,0 +1,60 @@
+"""The process groups of a TitanStrategy run: the default group, the mesh over it, and the checkpoint group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+
+from titan_strategy.callbacks.flight_recorder import UNSHORTENED_GROUP_DESC
+from titan_strategy.knobs import knob
+from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
+
+__all__ = ["DistributedConfig", "ProcessGroups", "init_default_group", "build_process_groups"]
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """How the processes talk, and what records their collectives."""
+
+    backend: str | None = knob("process_group_backend", None)
+    """"gloo", "nccl", ...; None picks by device."""
+    timeout_seconds: float = knob("timeout_seconds", 1800.0)
+    """A collective that waits longer fails instead of hanging."""
+    flight_recorder: bool = knob("flight_recorder", False)
+    """Add a ``FlightRecorder`` callback with its defaults, unless the trainer has one."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.timeout_seconds, int | float) or self.timeout_seconds <= 0:
+            raise ValueError(f"timeout_seconds={self.timeout_seconds!r} must be > 0.")
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_seconds)
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """What a run communicates over: the named mesh, and a gloo group that only checkpoints use, so that
+    background saves never interleave with the training loop's collectives."""
+
+    mesh: TitanMesh
+    checkpoint: dist.ProcessGroup
+
+
+def init_default_group(cluster_environment: ClusterEnvironment, device: torch.device, config: DistributedConfig) -> None:
+    """The default process group over every rank (a no-op where it exists already)."""
+    backend = config.backend or _get_default_process_group_backend_for_device(device)
+    device_id = device if device.type != "cpu" else None
+    _init_dist_connection(cluster_environment, backend, timeout=config.timeout, device_id=device_id)
+
+
+def build_process_groups(dims: ParallelDims, device: torch.device, config: DistributedConfig) -> ProcessGroups:
+    """The mesh and the checkpoint group, over the default group (every rank calls this, in the same order)."""
+    mesh = build_mesh(dims, device.type)
+    checkpoint = dist.new_group(backend="gloo", timeout=config.timeout, group_desc=UNSHORTENED_GROUP_DESC)
+    return ProcessGroups(mesh=mesh, checkpoint=checkpoint)
