@@ -15,6 +15,7 @@ Hopper and Blackwell) is timed too, on (batch, seq, heads, head_dim) inputs with
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +63,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for shape_name, (batch, heads, kv_heads, seq, head_dim) in SHAPES.items():
         generator = torch.Generator("cuda").manual_seed(0)
-        make = lambda h: torch.randn(batch, h, seq, head_dim, device="cuda", dtype=torch.bfloat16,  # noqa: E731
-                                     generator=generator).requires_grad_()
+        make = lambda h, batch=batch, seq=seq, head_dim=head_dim, generator=generator: (  # noqa: E731
+            torch.randn(batch, h, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+            .requires_grad_())
         q, k, v = make(heads), make(kv_heads), make(kv_heads)
         grad = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
         flops = 4 * batch * heads * seq * seq * head_dim / 2 * 3.5
@@ -80,7 +82,7 @@ def main() -> None:
                           f"{str(error).splitlines()[0][:80]} | | |")
                     continue
                 diffs = ", ".join(f"{(a.float() - b.float()).abs().max().item():.3g}" for a, b in zip(found, reference))
-                ms = _time_ms(lambda: _run(backend, q, k, v, grad, gqa), args.iters)
+                ms = _time_ms(functools.partial(_run, backend, q, k, v, grad, gqa), args.iters)
                 print(f"| {shape_name} | {name} | {'native' if gqa else 'expanded'} | {ms:.2f} | "
                       f"{flops / ms / 1e9:.0f} | {diffs} |", flush=True)
         if flash_attention4_installed():
@@ -104,7 +106,8 @@ def _time_fa4(shape_name: str, q, k, v, grad, reference, flops: float, iters: in
     try:
         found = [t.transpose(1, 2) for t in run()]
     except Exception as error:  # noqa: BLE001 - a beta package: report any failure as a row
-        print(f"| {shape_name} | FA4 | native | failed: {type(error).__name__}: {str(error).splitlines()[0][:80]} | | |")
+        print(f"| {shape_name} | FA4 | native | failed: {type(error).__name__}: "
+              f"{str(error).splitlines()[0][:80]} | | |")
         return
     diffs = ", ".join(f"{(a.float() - b.float()).abs().max().item():.3g}" for a, b in zip(found, reference))
     ms = _time_ms(run, iters)

@@ -6,11 +6,12 @@
 Trains the 1B shape (seq 8192, batch 2, bf16-mixed, random tokens) and saves a full checkpoint
 (model, AdamW state, loops) at two steps, to the same path, so the second save replaces the first
 and reuses whatever the first allocated (pinned buffers, the background process). Prints one JSON
-line (rank 0's, whose shard is as large as any other's): per save, the time the save held the training loop as the checkpoint IO measured it
-(``blocking_s``: the save call plus any wait for staging before the next optimizer step), the time
-until the checkpoint was published (``total_s``), and ``loop_held_s``: ``blocking_s`` plus how much
-longer than the median the step after the save took (background work that slows the loop, such as
-pinned-memory allocation, counts as holding it).
+line (rank 0's, whose shard is as large as any other's): per save, the time the save held the
+training loop as the checkpoint IO measured it (``blocking_s``: the save call plus any wait for
+staging before the next optimizer step), the time until the checkpoint was published
+(``total_s``), and ``loop_held_s``: ``blocking_s`` plus how much longer than the median the step
+after the save took (background work that slows the loop, such as pinned-memory allocation, counts
+as holding it).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def main() -> None:
         "mode": args.mode, "flavor": args.flavor, "checkpoint_gib": round(size_gib, 2), "saves": saves,
         "median_step_s": round(median, 4),
         "step_after_save_s": [round(saver.step_s[step], 4) for step in sorted(after_save)],
-        "devices": args.devices, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "lightning": L.__version__,
+        "devices": args.devices, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "lightning": L.__version__,
     }))
     shutil.rmtree(checkpoint)
 

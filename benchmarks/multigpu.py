@@ -6,8 +6,9 @@
 Random tokens, bf16-mixed. ``--batch-size`` is per data-parallel rank (each of its cp·tp·pp ranks sees
 the same batch). Lightning starts one process per device. Each rank prints one ``RESULT {json}`` line:
 tokens/s per GPU and MFU (the ``Throughput`` callback's windows after the first, median), and its own
-peak memory over the last window (the callback restarts the peak counters at each window). multigpu.sh keeps rank 0's speed and the largest peak over the ranks (pipeline stages
-and CP ranks differ).
+peak memory over the last window (the callback restarts the peak counters at each window).
+multigpu.sh keeps rank 0's speed and the largest peak over the ranks (pipeline stages and CP ranks
+differ).
 """
 
 from __future__ import annotations

@@ -43,11 +43,11 @@ from llama_module import LlamaModule
 from llama_module.args import get_flavor
 from titan_strategy import Throughput, TitanStrategy
 from titan_strategy.callbacks.throughput import peak_tflops_of
+from titan_strategy.config import TitanConfig
 from titan_strategy.grad_norm import clip_grad_norm_
 from titan_strategy.kernels.adamw import ADAMW_KERNELS
 from titan_strategy.master_weights import hold_master_weights
 from titan_strategy.mesh import build_mesh
-from titan_strategy.config import TitanConfig
 from titan_strategy.parallelize import parallelize
 
 SHAPES = {"1B": {"flavor": "1B", "n_layers": None, "batch_size": 2},
@@ -252,8 +252,8 @@ def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
               "attention_kernel": args.attention_kernel, "adamw": args.adamw}
     if args.matrix is None:
         shape = {"flavor": args.flavor, "n_layers": args.n_layers, "batch_size": args.batch_size}
-        return [{**shape, **common, "compile": args.compile, "compile_loss": args.compile_loss, "ac": args.activation_checkpointing,
-                 "float8": args.float8, "reference": args.reference}]
+        return [{**shape, **common, "compile": args.compile, "compile_loss": args.compile_loss,
+                 "ac": args.activation_checkpointing, "float8": args.float8, "reference": args.reference}]
     chosen = range(len(MATRICES[args.matrix])) if args.rows is None else [int(i) for i in args.rows.split(",")]
     return [{**SHAPES[args.matrix], **common, "compile": compile, "compile_loss": compile_loss, "ac": ac,
              "float8": float8, "reference": reference}

@@ -19,7 +19,8 @@ class TitanCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The model's vocabulary follows the tokenizer unless the YAML sets model.vocab_size.
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
-        parser.add_argument("--plan_check", type=Optional[str], default=None,
+        # typing.Optional, not `str | None`: a runtime value handed to jsonargparse, and the two are different objects.
+        parser.add_argument("--plan_check", type=Optional[str], default=None,  # noqa: UP045
                             help="a GPU kind (H100, H200, ...): before anything starts, check that the layout runs "
                                  "and fits there (titan plan --check)")
 

@@ -61,7 +61,8 @@ def _file_format(files: list[str]) -> str:
     suffixes = {Path(f.removesuffix(".gz")).suffix for f in files}
     formats = {_FORMATS.get(suffix) for suffix in suffixes}
     if len(formats) != 1 or None in formats:
-        raise ValueError(f"Cannot read {sorted(suffixes)} files together; use one of {sorted(_FORMATS)} (optionally .gz).")
+        raise ValueError(f"Cannot read {sorted(suffixes)} files together; "
+                         f"use one of {sorted(_FORMATS)} (optionally .gz).")
     return formats.pop()
 
 
@@ -83,7 +84,8 @@ def load_documents(source: str, split: str, *, seed: int = 0) -> datasets.Iterab
     path = Path(source)
     files = sorted(str(p) for p in path.rglob("*") if p.is_file()) if path.is_dir() else sorted(glob.glob(source))
     if not files:
-        raise FileNotFoundError(f"source={source!r} matches no file; give 'offline', 'c4', a file, a directory or a glob.")
+        raise FileNotFoundError(f"source={source!r} matches no file; "
+                                "give 'offline', 'c4', a file, a directory or a glob.")
     return datasets.load_dataset(_file_format(files), data_files=files, split="train", streaming=True)
 
 
@@ -172,7 +174,8 @@ class TextDataModule(L.LightningDataModule):
                  val_source: str | None = None, val_batches: int = 8, text_field: str = "text", seed: int = 0) -> None:
         super().__init__()
         if seq_len < 1 or batch_size < 1 or val_batches < 0:
-            raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1, val_batches={val_batches} >= 0.")
+            raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1, "
+                             f"val_batches={val_batches} >= 0.")
         self.save_hyperparameters()
         self.source = source
         self.seq_len = seq_len

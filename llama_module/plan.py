@@ -54,7 +54,8 @@ def llama_tp_styles(sequence_parallel: bool, loss_parallel: bool) -> dict[str, P
             # The RoPE table (second input) is the same on every rank and stays a plain tensor.
             "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
                                                      desired_input_layouts=(Replicate(), None)),
-            "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                        desired_input_layouts=(Replicate(),)),
         }
     return styles
 

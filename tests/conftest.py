@@ -1,20 +1,44 @@
-"""Shared test settings: a quiet, offline, single-threaded environment and a bounded multi-process launcher."""
+"""Shared test settings: a quiet, offline, single-threaded environment, a bounded multi-process launcher,
+one cached single-process reference run per spec, and the test tiers (``unit``, ``multiprocess``, ``gpu``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+from tests.run_spec import RunSpec
+
+pytest.register_assert_rewrite("tests.parity")  # its asserts explain their failures, as a test file's do
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
 FORK_LAUNCH = Path(__file__).with_name("fork_launch.py")
 LAUNCH_TIMEOUT_S = 360  # a hung collective fails the test instead of stalling CI (2 loaded cores are slow)
+
+# Every test has exactly one (pyproject.toml registers them): `pytest -m unit` is the quick tier.
+TIERS = ("unit", "multiprocess", "gpu")
+# A test parametrized over these runs as a unit test on the CPU and as a gpu test on CUDA (skipped without it).
+DEVICES = [pytest.param("cpu", marks=pytest.mark.unit),
+           pytest.param("cuda", marks=[pytest.mark.gpu,
+                                       pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every collected test is checked
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    wrong = [f"{item.nodeid} has {sorted(tiers) or 'none'}" for item in items
+             if len(tiers := {mark.name for mark in item.iter_markers()} & set(TIERS)) != 1]
+    if wrong:
+        raise pytest.UsageError(f"Every test needs exactly one tier marker of {list(TIERS)} (a module's pytestmark "
+                                "or the test's own mark; see tests/conftest.py):\n  " + "\n  ".join(wrong))
 
 
 def _test_environment(hf_home: Path) -> dict[str, str]:
@@ -56,12 +80,13 @@ def run_command(command: list[str], env: dict[str, str], cwd: Path,
     return result
 
 
-def launch(nproc: int, spec: dict[str, Any], out_dir: Path, env: dict[str, str],
+def launch(nproc: int, spec: RunSpec, out_dir: Path, env: dict[str, str],
            timeout_s: float = LAUNCH_TIMEOUT_S) -> list[dict[str, Any]]:
-    """Run tests/train_worker.py on ``nproc`` forked ranks (tests/fork_launch.py); return each rank's record."""
+    """Run ``spec`` (its ``devices`` set to ``nproc``) on ``nproc`` forked ranks of tests/train_worker.py
+    (tests/fork_launch.py); return each rank's record."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_file = out_dir / "spec.json"
-    spec_file.write_text(json.dumps({"devices": nproc, **spec}))
+    spec_file.write_text(dataclasses.replace(spec, devices=nproc).to_json())
     try:
         run_command([sys.executable, str(FORK_LAUNCH), str(nproc), str(spec_file), str(out_dir)], env, out_dir,
                     timeout_s)
@@ -70,6 +95,22 @@ def launch(nproc: int, spec: dict[str, Any], out_dir: Path, env: dict[str, str],
         errors = "".join(f"\n{path.stem}: {path.read_text()}" for path in sorted(out_dir.glob("rank*.error")))
         raise AssertionError(f"{failure}\nRank errors:{errors}") from None
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(nproc)]
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory,
+                  test_env: dict[str, str]) -> Callable[[RunSpec], dict[str, Any]]:
+    """``reference_run(spec)``: the record of ``spec`` run in one process, launched once per distinct spec
+    (its canonical JSON) in the session, however many tests compare with it."""
+    records: dict[str, dict[str, Any]] = {}
+
+    def run(spec: RunSpec) -> dict[str, Any]:
+        key = dataclasses.replace(spec, devices=1).to_json()
+        if key not in records:
+            records[key] = launch(1, spec, tmp_path_factory.mktemp("reference"), test_env)[0]
+        return records[key]
+
+    return run
 
 
 @pytest.fixture()

@@ -11,6 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llama_module import Llama, LlamaConfig
 from titan_strategy.parallelize.activation_checkpoint import apply_ac
 
+pytestmark = pytest.mark.unit
+
 CONFIG = LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=300, ffn_dim=96, max_seq_len=64)
 
 

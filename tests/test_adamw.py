@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from llama_module import LlamaModule
+from tests.conftest import DEVICES
 from titan_strategy.kernels import adamw
 from titan_strategy.kernels.adamw import TritonAdamW
 
 SHAPES = [(48, 16), (16,), (80, 16), (8, 16)]
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
 def _parameters(device: str) -> list[torch.nn.Parameter]:
@@ -65,6 +65,7 @@ def test_updates_match_torch_adamw_as_the_lr_changes(device: str, monkeypatch: p
             torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.unit
 def test_its_state_loads_into_torch_adamw_and_back() -> None:
     ours_params, reference_params = _parameters("cpu"), _parameters("cpu")
     ours = TritonAdamW(ours_params, **HYPER)
@@ -88,6 +89,7 @@ def test_its_state_loads_into_torch_adamw_and_back() -> None:
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.unit
 def test_float8_weights_are_updated_through_the_values_they_wrap() -> None:
     # Under FSDP, torchao wraps each float8 weight's fp32 values in a subclass that has no data of its own:
     # the update (the Triton kernel on CUDA) goes to the wrapped tensor, and the parameter sees it.
@@ -108,6 +110,7 @@ def test_float8_weights_are_updated_through_the_values_they_wrap() -> None:
     torch.testing.assert_close(wrapped._tensor, plain.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.unit
 def test_amsgrad_is_refused_with_the_fix() -> None:
     params = _parameters("cpu")
     optimizer = TritonAdamW(params, **HYPER)
@@ -117,6 +120,7 @@ def test_amsgrad_is_refused_with_the_fix() -> None:
         optimizer.step()
 
 
+@pytest.mark.unit
 def test_llama_module_refuses_an_unknown_adamw_kernel() -> None:
     with pytest.raises(ValueError, match=r"adamw='apex' must be one of \['auto', 'triton', 'fused', 'foreach'\]"):
         LlamaModule(adamw="apex")

@@ -3,6 +3,7 @@ where it cannot run."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,29 +11,37 @@ import torch
 
 from llama_module import LlamaModule
 from tests.conftest import launch
-from tests.test_parity import _series
-from titan_strategy.kernels.flash_attention4 import flash_attention4, flash_attention4_installed
+from tests.parity import ReferenceRun, series
+from tests.run_spec import RunSpec
+from titan_strategy.kernels.flash_attention4 import (
+    flash_attention4,
+    flash_attention4_installed,
+)
 
 
+@pytest.mark.unit
 def test_an_unknown_kernel_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match=r"attention_kernel='fa3' must be one of \['sdpa', 'fa4'\]"):
         LlamaModule(attention_kernel="fa3")
 
 
+@pytest.mark.multiprocess
 def test_fa4_is_refused_on_cpu_before_the_model_exists(tmp_path: Path, test_env: dict[str, str]) -> None:
     with pytest.raises(AssertionError, match=r"attention_kernel='fa4' needs an NVIDIA GPU of compute capability >= "
                                              r"9\.0 \(Hopper or Blackwell.*\), but the run is on cpu; use "
                                              r"attention_kernel='sdpa'"):
-        launch(1, {"steps": 1, "batch_size": 2, "attention_kernel": "fa4"}, tmp_path, test_env)
+        launch(1, RunSpec(steps=1, batch_size=2, attention_kernel="fa4"), tmp_path, test_env)
 
 
+@pytest.mark.multiprocess
 def test_fa4_is_refused_under_context_parallelism(tmp_path: Path, test_env: dict[str, str]) -> None:
-    spec = {"steps": 1, "batch_size": 2, "attention_kernel": "fa4", "strategy": {"context_parallel_size": 2}}
+    spec = RunSpec(steps=1, batch_size=2, attention_kernel="fa4", strategy={"context_parallel_size": 2})
     with pytest.raises(AssertionError, match=r"attention_kernel='fa4' with context_parallel_size=2: ring attention "
                                              r"runs through torch's SDPA"):
         launch(2, spec, tmp_path, test_env)
 
 
+@pytest.mark.unit
 def test_the_op_has_shapes_for_compile_without_running_the_kernel() -> None:
     # torch.compile traces the op on fake tensors: its output is the query's shape, its log-sum-exp (bs, heads, seq).
     query, key = torch.empty(2, 64, 8, 64, device="meta"), torch.empty(2, 64, 2, 64, device="meta")
@@ -44,17 +53,18 @@ def _fa4_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0) and flash_attention4_installed()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _fa4_gpu(), reason="needs a Hopper or Blackwell GPU and the flash-attn-4 package")
-def test_fa4_trains_like_sdpa_on_cuda(tmp_path: Path, test_env: dict[str, str]) -> None:
+def test_fa4_trains_like_sdpa_on_cuda(tmp_path: Path, test_env: dict[str, str], reference_run: ReferenceRun) -> None:
     # head_dim 64 (FA4 has no kernels for the tiny model's 8); compiled blocks, and under selective AC the op's
     # output is kept while the rest is recomputed.
-    spec = {"steps": 10, "batch_size": 8, "seq_len": 64, "clip": 1.0, "accelerator": "cuda", "precision": "bf16-mixed",
-            "timeout_seconds": 300, "model": {"dim": 256, "n_heads": 4, "n_kv_heads": 2}}
-    sdpa = launch(1, {**spec, "strategy": {"compile": True}}, tmp_path / "sdpa", test_env)[0]
-    fa4 = launch(1, {**spec, "attention_kernel": "fa4", "strategy": {"compile": True,
-                                                                      "activation_checkpointing": "selective_op"}},
+    spec = RunSpec(steps=10, batch_size=8, seq_len=64, clip=1.0, accelerator="cuda", precision="bf16-mixed",
+                   timeout_seconds=300, model={"dim": 256, "n_heads": 4, "n_kv_heads": 2})
+    sdpa = reference_run(replace(spec, strategy={"compile": True}))
+    fa4 = launch(1, replace(spec, attention_kernel="fa4",
+                            strategy={"compile": True, "activation_checkpointing": "selective_op"}),
                  tmp_path / "fa4", test_env)[0]
-    sdpa_loss, fa4_loss = _series(sdpa, "train_loss"), _series(fa4, "train_loss")
+    sdpa_loss, fa4_loss = series(sdpa, "train_loss"), series(fa4, "train_loss")
     assert fa4_loss != sdpa_loss  # FA4's kernels really ran
     assert fa4_loss[-1] < fa4_loss[0] - 0.3, fa4_loss
     for a, b in zip(fa4_loss, sdpa_loss):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 from tests.conftest import launch
+from tests.run_spec import RunSpec
 from titan_strategy import (
     CorruptCheckpointError,
     DistributedCheckpointIO,
@@ -22,8 +24,8 @@ from titan_strategy import (
 from titan_strategy.checkpoint import read_model_weights
 from titan_strategy.checkpoint.rng import capture_rng_states, restore_rng_states
 
-# Text data: a resumed run must also restore each data-parallel rank's position in its stream.
-TEXT = {"batch_size": 2, "clip": 1.0, "data": "text", "rng_probe": True}
+# 20 steps of text data: a resumed run must also restore each data-parallel rank's position in its stream.
+TEXT = RunSpec(steps=20, batch_size=2, clip=1.0, data="text", rng_probe=True)
 
 
 def _keep_latest_two(folder: Path) -> dict[str, Any]:
@@ -35,15 +37,16 @@ def _complete(folder: Path) -> list[str]:
     return sorted(path.name for path in folder.iterdir() if (path / "titan_checkpoint.json").is_file())
 
 
+@pytest.mark.multiprocess
 def test_async_resume_repeats_an_uninterrupted_run_exactly(tmp_path: Path, test_env: dict[str, str]) -> None:
     # 20 steps in one go, against 10 steps, a restart from ckpt_path="last", and 10 more. Writes are slowed
     # so that ModelCheckpoint asks to delete older checkpoints while the newer one is still being written.
-    spec = {**TEXT, "strategy": {"checkpoint_mode": "async"}, "slow_writes_s": 0.3}
-    full = launch(2, {**spec, "steps": 20, "model_checkpoint": _keep_latest_two(tmp_path / "full")},
+    spec = replace(TEXT, strategy={"checkpoint_mode": "async"}, slow_writes_s=0.3)
+    full = launch(2, replace(spec, model_checkpoint=_keep_latest_two(tmp_path / "full"), log_removals=True),
                   tmp_path / "full_run", test_env)
-    halves = {**spec, "model_checkpoint": _keep_latest_two(tmp_path / "halves")}
-    launch(2, {**halves, "steps": 10}, tmp_path / "first", test_env)
-    resumed = launch(2, {**halves, "steps": 20, "resume_from": "last"}, tmp_path / "second", test_env)
+    halves = replace(spec, model_checkpoint=_keep_latest_two(tmp_path / "halves"))
+    launch(2, replace(halves, steps=10), tmp_path / "first", test_env)
+    resumed = launch(2, replace(halves, resume_from="last"), tmp_path / "second", test_env)
     for rank in range(2):
         expected = [step for step in full[rank]["steps"] if step["step"] > 10]
         assert [step["step"] for step in resumed[rank]["steps"]] == list(range(11, 21))
@@ -60,17 +63,18 @@ def test_async_resume_repeats_an_uninterrupted_run_exactly(tmp_path: Path, test_
         assert newer in removal["complete"], removal
 
 
+@pytest.mark.multiprocess
 def test_a_rank_killed_during_an_async_save_leaves_the_previous_checkpoint_to_resume(
         tmp_path: Path, test_env: dict[str, str]) -> None:
     folder = tmp_path / "checkpoints"
-    spec = {"batch_size": 4, "strategy": {"checkpoint_mode": "async"}, "timeout_seconds": 20,
-            "model_checkpoint": {"dirpath": str(folder), "every_n_train_steps": 2, "save_top_k": -1}}
+    spec = RunSpec(steps=6, batch_size=4, strategy={"checkpoint_mode": "async"}, timeout_seconds=20,
+                   model_checkpoint={"dirpath": str(folder), "every_n_train_steps": 2, "save_top_k": -1})
     with pytest.raises(AssertionError, match="SIGKILL|Signals.SIGKILL|-9"):
         # Rank 1 dies inside its shard write of the step-4 save, which runs in the background.
-        launch(2, {**spec, "steps": 6, "kill_during_save": {"rank": 1, "save": 2}}, tmp_path / "killed", test_env)
+        launch(2, replace(spec, kill_during_save={"rank": 1, "save": 2}), tmp_path / "killed", test_env)
     assert _complete(folder) == ["epoch=0-step=2.ckpt"]
     assert not (folder / "epoch=0-step=4.ckpt").exists(), "a partial save must never carry a checkpoint name"
-    resumed = launch(2, {**spec, "steps": 4, "strategy": {"checkpoint_mode": "async", "auto_resume": True}},
+    resumed = launch(2, replace(spec, steps=4, strategy={"checkpoint_mode": "async", "auto_resume": True}),
                      tmp_path / "resumed", test_env)
     assert [step["step"] for step in resumed[0]["steps"]] == [3, 4]
     assert _complete(folder) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
@@ -80,7 +84,7 @@ def test_a_rank_killed_during_an_async_save_leaves_the_previous_checkpoint_to_re
 def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> Path:
     out = tmp_path_factory.mktemp("one_rank")
     checkpoint = out / "step2.ckpt"
-    launch(1, {"steps": 2, "batch_size": 4, "save_at": 2, "save_path": str(checkpoint)}, out, test_env)
+    launch(1, RunSpec(steps=2, batch_size=4, save_at=2, save_path=str(checkpoint)), out, test_env)
     return checkpoint
 
 
@@ -98,6 +102,7 @@ def _damage(checkpoint: Path, how: str, tmp_path: Path) -> tuple[Path, str]:
     return copy, rf"{shard.name} fails its CRC-32 check"
 
 
+@pytest.mark.multiprocess  # (the saved_checkpoint fixture launches a run)
 @pytest.mark.parametrize("how", ["truncate", "flip_a_byte"])
 def test_a_damaged_checkpoint_is_refused_naming_the_file(saved_checkpoint: Path, how: str, tmp_path: Path) -> None:
     damaged, message = _damage(saved_checkpoint, how, tmp_path)
@@ -106,19 +111,22 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(saved_checkpoint: Path,
     assert read_model_weights(saved_checkpoint)  # the original is intact
 
 
+@pytest.mark.multiprocess
 def test_resuming_from_a_damaged_checkpoint_fails_before_loading(saved_checkpoint: Path, tmp_path: Path,
                                                                   test_env: dict[str, str]) -> None:
     damaged, message = _damage(saved_checkpoint, "flip_a_byte", tmp_path)
     with pytest.raises(AssertionError, match=rf"rank0: CorruptCheckpointError: {damaged} is damaged: {message}"):
-        launch(1, {"steps": 3, "batch_size": 4, "resume_from": str(damaged)}, tmp_path / "resumed", test_env)
+        launch(1, RunSpec(steps=3, batch_size=4, resume_from=str(damaged)), tmp_path / "resumed", test_env)
 
 
+@pytest.mark.multiprocess
 def test_the_checkpoint_io_reads_a_checkpoint_whole_in_one_process(saved_checkpoint: Path) -> None:
     loaded = DistributedCheckpointIO().load_checkpoint(saved_checkpoint)
     assert loaded["hyper_parameters"]["model"]["dim"] == 64
     assert loaded["state_dict"]["model.tok_embeddings.weight"].shape == (256, 64)
 
 
+@pytest.mark.multiprocess
 def test_an_unfinished_checkpoint_is_refused(saved_checkpoint: Path, tmp_path: Path) -> None:
     unfinished = tmp_path / "unfinished.ckpt"
     shutil.copytree(saved_checkpoint, unfinished)
@@ -127,20 +135,22 @@ def test_an_unfinished_checkpoint_is_refused(saved_checkpoint: Path, tmp_path: P
         read_model_weights(unfinished)
 
 
+@pytest.mark.multiprocess
 def test_resume_with_more_data_parallel_ranks_fails_clearly_on_every_rank(tmp_path: Path,
                                                                            test_env: dict[str, str]) -> None:
     # Positions were saved for 2 data-parallel ranks; ranks 2 and 3 have none. All 4 must stop with
     # the same error (none may wait in a collective for the others).
-    spec = {"steps": 2, "batch_size": 2, "data": "text"}
+    spec = RunSpec(steps=2, batch_size=2, data="text")
     checkpoint = tmp_path / "dp2.ckpt"
-    launch(2, {**spec, "save_at": 2, "save_path": str(checkpoint)}, tmp_path / "dp2", test_env)
+    launch(2, replace(spec, save_at=2, save_path=str(checkpoint)), tmp_path / "dp2", test_env)
     with pytest.raises(AssertionError) as failure:
-        launch(4, {**spec, "steps": 3, "resume_from": str(checkpoint)}, tmp_path / "dp4", test_env)
+        launch(4, replace(spec, steps=3, resume_from=str(checkpoint)), tmp_path / "dp4", test_env)
     for rank in (2, 3):  # the ranks that hold no saved position raise too, instead of hanging
         assert f"\nrank{rank}: ValueError: {checkpoint} holds dataloader positions for 2 data-parallel ranks, " \
                "but this run has 4" in str(failure.value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"checkpoint_mode": "eventually"}, r"checkpoint_mode='eventually' must be one of \['sync', 'async', "
                                         r"'async_pinned'\]"),
@@ -153,12 +163,14 @@ def test_bad_checkpoint_mode_fails_before_launching(kwargs: dict, message: str, 
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.unit
 def test_another_checkpoint_io_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="through DistributedCheckpointIO, not TorchCheckpointIO; remove that plugin"):
         L.Trainer(accelerator="cpu", devices=2, strategy=TitanStrategy(), plugins=[TorchCheckpointIO()],
                   default_root_dir=tmp_path)
 
 
+@pytest.mark.unit
 def test_the_rng_states_round_trip() -> None:
     states = capture_rng_states(torch.device("cpu"))
     first = (torch.rand(3), random.random(), np.random.rand())

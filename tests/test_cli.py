@@ -17,6 +17,7 @@ PIPELINE = ["--trainer.strategy.init_args.pipeline_parallel_size=2",
             "--trainer.strategy.init_args.pipeline_schedule=ZBVZeroBubble"]
 
 
+@pytest.mark.multiprocess  # `titan fit` in a subprocess, which starts its ranks
 @pytest.mark.parametrize("overrides", [[], PIPELINE], ids=["fsdp2", "pp2-zbv"])
 def test_debug_config_trains_validates_and_checkpoints(overrides: list[str], tmp_path: Path,
                                                        test_env: dict[str, str]) -> None:
@@ -39,6 +40,7 @@ def test_debug_config_trains_validates_and_checkpoints(overrides: list[str], tmp
     assert not (tmp_path / "flight_recorder").exists()  # the config's FlightRecorder watched a clean run
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_parses(config: Path, capsys: pytest.CaptureFixture) -> None:
     from llama_module.cli import TitanCLI

@@ -7,6 +7,7 @@ back to whole sequences) and hook counts must match the single process.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +19,20 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.conftest import launch
-from tests.test_parity import (
+from tests.parity import (
+    BASE_RUN,
     FULL_RUN,
     GLOBAL_BATCH,
     RTOL,
-    STEPS,
-    _assert_close_per_step,
-    _assert_identical_on_all_ranks,
-    _series,
+    Record,
+    ReferenceRun,
+    assert_close_per_step,
     assert_full_run_matches,
+    assert_identical_on_all_ranks,
     assert_resume_continues,
+    series,
 )
+from tests.run_spec import RunSpec
 from titan_strategy.parallelize.context_parallel import (
     SequenceSharder,
     apply_cp,
@@ -39,15 +43,16 @@ from titan_strategy.parallelize.context_parallel import (
 from titan_strategy.plan import ContextParallelPlan
 
 
-@pytest.fixture(scope="module")
-def single_process(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> dict[str, Any]:
-    return launch(1, {**FULL_RUN, "batch_size": GLOBAL_BATCH}, tmp_path_factory.mktemp("single"), test_env)[0]
+@pytest.fixture()
+def single_process(reference_run: ReferenceRun) -> Record:
+    return reference_run(FULL_RUN)
 
 
 def _cp(size: int, rotate: str = "allgather", **more: Any) -> dict[str, Any]:
     return {"context_parallel_size": size, "context_parallel_rotate_method": rotate, **more}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("nproc", "batch_ranks", "strategy"), [
     (2, 1, _cp(2)),
     (4, 1, _cp(4, "alltoall")),
@@ -59,27 +64,29 @@ def _cp(size: int, rotate: str = "allgather", **more: Any) -> dict[str, Any]:
     (2, 1, _cp(2, activation_checkpointing="full", compile=True)),
 ], ids=["cp2", "cp4-alltoall", "fsdp2xcp2", "tp2xcp2", "tp2xcp2-plain-alltoall", "pp2xcp2",
         "cp2-full-ac-compiled"])
-def test_matches_single_process(nproc: int, batch_ranks: int, strategy: dict, single_process: dict, tmp_path: Path,
+def test_matches_single_process(nproc: int, batch_ranks: int, strategy: dict, single_process: Record, tmp_path: Path,
                                 test_env: dict[str, str]) -> None:
     # A cold inductor cache makes the compiled run's first step slow on every rank.
     timeout = 300 if strategy.get("compile") else 60
-    spec = {**FULL_RUN, "batch_size": GLOBAL_BATCH // batch_ranks, "strategy": strategy, "timeout_seconds": timeout}
+    spec = replace(FULL_RUN, batch_size=GLOBAL_BATCH // batch_ranks, strategy=strategy, timeout_seconds=timeout)
     assert_full_run_matches(launch(nproc, spec, tmp_path, test_env), single_process)
 
 
-def test_4d_pp2_dp2_cp2_tp2_matches_single_process(single_process: dict, tmp_path: Path,
+@pytest.mark.multiprocess
+def test_4d_pp2_dp2_cp2_tp2_matches_single_process(single_process: Record, tmp_path: Path,
                                                    test_env: dict[str, str]) -> None:
     """The one 16-process smoke test: every dimension at 2, FSDP sharding over dp_shard x cp (training only)."""
     strategy = _cp(2, tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="1F1B")
     # 16 processes on a 2-core CI machine: the launch alone took 190 s of the default 240 once, and failed
     # once in a full run; a hang still ends the test.
-    spec = {"steps": STEPS, "clip": 1.0, "batch_size": GLOBAL_BATCH // 2, "strategy": strategy, "timeout_seconds": 300}
+    spec = replace(BASE_RUN, batch_size=GLOBAL_BATCH // 2, strategy=strategy, timeout_seconds=300)
     records = launch(16, spec, tmp_path, test_env, timeout_s=480)
     for key in ("train_loss", "grad_norm"):
-        _assert_identical_on_all_ranks(records, key)
-        _assert_close_per_step(_series(records[0], key), _series(single_process, key), RTOL)
+        assert_identical_on_all_ranks(records, key)
+        assert_close_per_step(series(records[0], key), series(single_process, key), RTOL)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("saved", "resumed"), [
     ((2, _cp(2)), (1, {})),
     ((1, {}), (2, _cp(2, "alltoall"))),
@@ -87,24 +94,26 @@ def test_4d_pp2_dp2_cp2_tp2_matches_single_process(single_process: dict, tmp_pat
 def test_checkpoint_resumes_with_or_without_cp(saved: tuple[int, dict], resumed: tuple[int, dict], tmp_path: Path,
                                                test_env: dict[str, str]) -> None:
     # 24 samples of batch 8: step 3 ends an epoch, where Lightning resumes map-style data exactly.
-    spec = {"steps": 6, "clip": 1.0, "batch_size": GLOBAL_BATCH, "samples": 24}
+    spec = RunSpec(steps=6, clip=1.0, batch_size=GLOBAL_BATCH, samples=24)
     checkpoint = tmp_path / "step3.ckpt"
-    original = launch(saved[0], {**spec, "strategy": saved[1], "save_at": 3, "save_path": str(checkpoint)},
+    original = launch(saved[0], replace(spec, strategy=saved[1], save_at=3, save_path=str(checkpoint)),
                       tmp_path / "saved", test_env)
-    continued = launch(resumed[0], {**spec, "strategy": resumed[1], "resume_from": str(checkpoint)},
+    continued = launch(resumed[0], replace(spec, strategy=resumed[1], resume_from=str(checkpoint)),
                        tmp_path / "resumed", test_env)
     assert_resume_continues(original, continued, saved_at=3, steps=6)
 
 
+@pytest.mark.multiprocess
 def test_indivisible_sequence_fails_on_every_rank_before_the_first_forward(tmp_path: Path,
                                                                           test_env: dict[str, str]) -> None:
     with pytest.raises(AssertionError) as failure:
-        launch(2, {"steps": 2, "batch_size": 4, "seq_len": 30, "strategy": _cp(2)}, tmp_path, test_env)
+        launch(2, RunSpec(steps=2, batch_size=4, seq_len=30, strategy=_cp(2)), tmp_path, test_env)
     for rank in (0, 1):
         assert (f"\nrank{rank}: ValueError: Context parallelism splits each sequence into 2 x context_parallel_size=2 "
                 "chunks, but the batch has seq_len=30; use a seq_len divisible by 4.") in str(failure.value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("seq_len", "cp", "tp", "message"), [
     (36, 4, 1, "seq_len=36; use a seq_len divisible by 8."),
     (36, 2, 2, "and sequence parallelism each rank's share across tensor_parallel_size=2, but the batch has "
@@ -116,6 +125,7 @@ def test_sequence_length_rule_names_the_multiple_and_the_fix(seq_len: int, cp: i
     check_cp_sequence_length(2 * cp * tp * 3, cp, tp)
 
 
+@pytest.mark.unit
 def test_a_plan_without_cp_is_refused() -> None:
     with pytest.raises(ValueError, match="context_parallel_size=2, but the module's parallel_plan.. declares no "):
         check_cp_plan(None, 2)
@@ -149,6 +159,7 @@ def cp_mesh_of_one() -> Any:
         dist.destroy_process_group()
 
 
+@pytest.mark.unit
 def test_attention_cp_cannot_shard_is_refused(cp_mesh_of_one: Any) -> None:
     qkv = [torch.randn(1, 2, 8, 4) for _ in range(3)]
     plan = ContextParallelPlan(attention="attention")
@@ -165,6 +176,7 @@ def test_attention_cp_cannot_shard_is_refused(cp_mesh_of_one: Any) -> None:
         apply_cp(_Holder(causal=True), cp_mesh_of_one, ContextParallelPlan(attention="attn.*"))
 
 
+@pytest.mark.unit
 def test_ring_of_one_equals_plain_attention_and_restores_buffers(cp_mesh_of_one: Any) -> None:
     holder = _Holder(causal=True)
     holder.register_buffer("positions", torch.arange(16.0), persistent=False)
@@ -208,6 +220,7 @@ def cuda_cp_mesh_of_one() -> Any:
         dist.destroy_process_group()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA attention kernels need a CUDA GPU")
 @pytest.mark.parametrize("kernel", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
 def test_ring_attention_runs_every_cuda_kernel(kernel: str, cuda_cp_mesh_of_one: Any) -> None:

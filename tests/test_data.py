@@ -20,6 +20,8 @@ from llama_module.data import (
 )
 from llama_module.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.unit
+
 
 def _module(source: str, rank: int = 0, world: int = 1, **kwargs) -> TextDataModule:
     module = TextDataModule(source=source, **{"seq_len": 16, "batch_size": 2, **kwargs})

@@ -11,6 +11,7 @@ import pickle
 import signal
 import threading
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +19,14 @@ import pytest
 import torch
 
 from tests.conftest import launch
-from tests.test_parity import (  # noqa: F401
+from tests.parity import (
+    BASE_RUN,
     GLOBAL_BATCH,
-    STEPS,
-    _assert_close_per_step,
-    _series,
-    single_process,
+    ReferenceRun,
+    assert_close_per_step,
+    series,
 )
+from tests.run_spec import RunSpec
 from titan_strategy import FlightRecorder
 from titan_strategy.flight_recorder.analyze import (
     diagnose,
@@ -46,8 +48,8 @@ DRILL_TIMEOUT_S = 6  # the steady-state timeout the drills run with: a stuck ran
 
 def _drill(nproc: int, strategy: dict[str, Any], drill: dict[str, Any], out: Path, env: dict[str, str]) -> Path:
     """Run a sabotaged training job that must fail within the limit; return its one run folder of dumps."""
-    spec = {"steps": 6, "batch_size": GLOBAL_BATCH // nproc, "clip": 1.0, "strategy": strategy, "drill": drill,
-            "flight_recorder": {"timeout_s": DRILL_TIMEOUT_S, "dump_dir": str(out / "fr")}}
+    spec = RunSpec(steps=6, batch_size=GLOBAL_BATCH // nproc, clip=1.0, strategy=strategy, drill=drill,
+                   flight_recorder={"timeout_s": DRILL_TIMEOUT_S, "dump_dir": str(out / "fr")})
     with pytest.raises(AssertionError, match="failed"):
         launch(nproc, spec, out, env, timeout_s=DRILL_LIMIT_S)
     [run] = dump_dirs(out / "fr")
@@ -61,6 +63,7 @@ def _analyze(run: Path, capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("nproc", "strategy", "skipper"), [(2, {}, 1), (4, {"tensor_parallel_size": 2}, 2)],
                          ids=["dp2", "dp2xtp2"])
 def test_a_skipped_collective_is_named(nproc: int, strategy: dict, skipper: int, tmp_path: Path,
@@ -75,6 +78,7 @@ def test_a_skipped_collective_is_named(nproc: int, strategy: dict, skipper: int,
     assert f"Likely cause: ranks [{skipper}] never issued collective #{cause.seq} all_reduce" in report
 
 
+@pytest.mark.multiprocess
 def test_a_stalled_pipeline_stage_shows_the_last_sends_and_receives(tmp_path: Path, test_env: dict[str, str],
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     # Stage 0 sleeps after its forward in step 3, before sending the activations; stage 1 waits to receive.
@@ -93,26 +97,29 @@ def test_a_stalled_pipeline_stage_shows_the_last_sends_and_receives(tmp_path: Pa
     assert "Pipeline point-to-point (last completed per stage)" in report and "not completed: #" in report
 
 
-def test_a_clean_run_dumps_nothing_and_trains_the_same(single_process: dict, tmp_path: Path,  # noqa: F811
+@pytest.mark.multiprocess
+def test_a_clean_run_dumps_nothing_and_trains_the_same(reference_run: ReferenceRun, tmp_path: Path,
                                                        test_env: dict[str, str]) -> None:
     # Pipeline parallel: the gloo send/receive recording is in the path of every step.
-    spec = {"steps": STEPS, "batch_size": GLOBAL_BATCH, "clip": 1.0,
-            "strategy": {"pipeline_parallel_size": 2, "flight_recorder": True}}
+    single_process = reference_run(BASE_RUN)
+    spec = replace(BASE_RUN, strategy={"pipeline_parallel_size": 2, "flight_recorder": True})
     records = launch(2, spec, tmp_path, test_env)
     assert all("FlightRecorder" in record["callbacks"] for record in records)  # the knob added one
     assert not (tmp_path / "flight_recorder").exists()
-    _assert_close_per_step(_series(records[0], "train_loss"), _series(single_process, "train_loss"))
-    _assert_close_per_step(_series(records[0], "grad_norm"), _series(single_process, "grad_norm"))
+    assert_close_per_step(series(records[0], "train_loss"), series(single_process, "train_loss"))
+    assert_close_per_step(series(records[0], "grad_norm"), series(single_process, "grad_norm"))
 
 
-@pytest.mark.parametrize("accelerator", ["cpu", "cuda"])
+@pytest.mark.parametrize("accelerator", [pytest.param("cpu", marks=pytest.mark.multiprocess),
+                                         pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_signal_dumps_on_demand_and_training_goes_on(accelerator: str, tmp_path: Path,
                                                         test_env: dict[str, str]) -> None:
     if accelerator == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU (NCCL's trace)")
     nproc = 2 if accelerator == "cpu" else 1
-    spec = {"steps": 5, "batch_size": GLOBAL_BATCH // nproc, "accelerator": accelerator, "strategy": {},
-            "flight_recorder": {"dump_dir": str(tmp_path / "fr")}, "drill": {"rank": 0, "step": 3, "signal": "SIGUSR2"}}
+    spec = RunSpec(steps=5, batch_size=GLOBAL_BATCH // nproc, accelerator=accelerator, strategy={},
+                   flight_recorder={"dump_dir": str(tmp_path / "fr")},
+                   drill={"rank": 0, "step": 3, "signal": "SIGUSR2"})
     records = launch(nproc, spec, tmp_path, test_env)
     assert all(record["global_step"] == 5 for record in records)
     [run] = dump_dirs(tmp_path / "fr")
@@ -144,6 +151,7 @@ def _watch(timeout_s: float, dump_signal: int | None) -> tuple[Watchdog, list[st
     return watchdog, reasons, dumped
 
 
+@pytest.mark.unit
 def test_the_watchdog_dumps_on_an_overrun_and_on_its_signal() -> None:
     watchdog, reasons, dumped = _watch(0.3, signal.SIGUSR2)
     try:
@@ -161,6 +169,7 @@ def test_the_watchdog_dumps_on_an_overrun_and_on_its_signal() -> None:
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
 
 
+@pytest.mark.unit
 def test_off_the_main_thread_the_watchdog_runs_without_its_signal() -> None:
     started: list[tuple] = []
 
@@ -186,6 +195,7 @@ def _nccl_entry(seq: int, name: str, state: str, created: int, sizes: list, grou
             "input_dtypes": ["Float"], "frames": [{"name": "train_step", "filename": "train.py", "line": 42}]}
 
 
+@pytest.mark.unit
 def test_nccl_dumps_are_read_and_a_lagging_rank_is_named(tmp_path: Path) -> None:
     # NCCL's own dump format (what TORCH_NCCL_DUMP_ON_TIMEOUT writes): a pickle per rank, pg_config filled in.
     pg_config = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2]"}}
@@ -203,6 +213,7 @@ def test_nccl_dumps_are_read_and_a_lagging_rank_is_named(tmp_path: Path) -> None
     assert "ranks [2] never issued collective #3 _allgather_base [8] Float" in format_report(diagnosis)
 
 
+@pytest.mark.unit
 def test_a_skipper_is_told_from_the_rank_it_skipped_with_by_the_step_pattern() -> None:
     # Rank 0 skips the 3rd step's all-reduce: its next all-gather lands on the all-reduce's number. Two
     # ranks disagree at #6 and a vote cannot tell who is wrong; the earlier steps (all-gather, then
@@ -218,6 +229,7 @@ def test_a_skipper_is_told_from_the_rank_it_skipped_with_by_the_step_pattern() -
     assert cause.issued_instead[0].name == "_allgather_base"
 
 
+@pytest.mark.unit
 def test_the_cause_is_the_skip_even_when_another_wait_began_first() -> None:
     # Each step: all-gather on group a, all-reduce on b, reduce-scatter on a. In step 6 rank 1 skips the
     # all-reduce and waits in the reduce-scatter, which it (on a loaded machine) issued before rank 0
@@ -241,18 +253,21 @@ def test_the_cause_is_the_skip_even_when_another_wait_began_first() -> None:
     assert list(diagnosis.departures) == [1]
 
 
+@pytest.mark.unit
 def test_a_dump_that_holds_objects_is_refused(tmp_path: Path) -> None:
     (tmp_path / f"{NCCL_DUMP_PREFIX}0").write_bytes(pickle.dumps({"entries": [Path("/")]}))
     with pytest.raises(pickle.UnpicklingError, match="refusing to load pathlib"):
         read_dumps(tmp_path)
 
 
+@pytest.mark.unit
 def test_titan_fr_explains_an_empty_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         titan_fr(["analyze", str(tmp_path)])
     assert "no Flight Recorder dumps" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"buffer_size": 0}, "buffer_size=0"),
     ({"timeout_s": -1}, "timeout_s=-1"),
@@ -263,6 +278,7 @@ def test_bad_settings_are_refused(kwargs: dict, message: str) -> None:
         FlightRecorder(**kwargs)
 
 
+@pytest.mark.unit
 def test_a_separate_nccl_recorder_is_merged_in_time_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch 2.11 records NCCL ops apart from the other backends; a dump must hold both."""
     from titan_strategy.flight_recorder import dump

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,10 +11,12 @@ from torch import nn
 
 from llama_module import Llama, LlamaConfig
 from tests.conftest import launch
-from tests.test_parity import _series
+from tests.parity import ReferenceRun, series
+from tests.run_spec import RunSpec
 from titan_strategy.parallelize.float8 import apply_float8
 
 
+@pytest.mark.unit
 def test_output_and_unaligned_layers_stay_bf16_and_names_stay() -> None:
     # ffn_dim 40 is not a multiple of 16, so the feed-forward projections cannot run in float8.
     config = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=40, max_seq_len=64)
@@ -29,6 +32,7 @@ def test_output_and_unaligned_layers_stay_bf16_and_names_stay() -> None:
     assert apply_float8(model, "none", skip=(), fsdp_all_gather=True) == 0
 
 
+@pytest.mark.unit
 def test_a_single_device_casts_tensorwise_weights_without_fsdp() -> None:
     config = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128, max_seq_len=64)
     with torch.device("meta"):
@@ -41,20 +45,22 @@ def _float8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _float8_gpu(), reason="needs a GPU of compute capability >= 8.9")
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_float8_trains_like_bf16_on_cuda(recipe: str, tmp_path: Path, test_env: dict[str, str]) -> None:
-    spec = {"steps": 10, "batch_size": 8, "clip": 1.0, "accelerator": "cuda", "precision": "bf16-mixed",
-            "timeout_seconds": 300}
-    bf16 = launch(1, {**spec, "strategy": {"compile": True}}, tmp_path / "bf16", test_env)[0]
-    float8 = launch(1, {**spec, "strategy": {"compile": True, "float8": recipe}}, tmp_path / recipe, test_env)[0]
-    bf16_loss, float8_loss = _series(bf16, "train_loss"), _series(float8, "train_loss")
+def test_float8_trains_like_bf16_on_cuda(recipe: str, tmp_path: Path, test_env: dict[str, str],
+                                         reference_run: ReferenceRun) -> None:
+    spec = RunSpec(steps=10, batch_size=8, clip=1.0, accelerator="cuda", precision="bf16-mixed", timeout_seconds=300)
+    bf16 = reference_run(replace(spec, strategy={"compile": True}))
+    float8 = launch(1, replace(spec, strategy={"compile": True, "float8": recipe}), tmp_path / recipe, test_env)[0]
+    bf16_loss, float8_loss = series(bf16, "train_loss"), series(float8, "train_loss")
     assert float8_loss != bf16_loss  # float8 matmuls really ran
     assert float8_loss[-1] < float8_loss[0] - 0.3, float8_loss
     for a, b in zip(float8_loss, bf16_loss):
         assert a == pytest.approx(b, rel=5e-2), (float8_loss, bf16_loss)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("recipe", "devices", "strategy"), [
     ("tensorwise", 2, {"tensor_parallel_size": 2}),
     ("rowwise", 2, {"tensor_parallel_size": 2}),
@@ -62,18 +68,19 @@ def test_float8_trains_like_bf16_on_cuda(recipe: str, tmp_path: Path, test_env: 
     ("tensorwise", 4, {"data_parallel_shard_size": 2, "tensor_parallel_size": 2}),
 ], ids=["tp2-tensorwise", "tp2-rowwise", "fsdp2xtp2-tensorwise"])
 def test_float8_with_tensor_parallel_matches_one_process(recipe: str, devices: int, strategy: dict,
-                                                          tmp_path: Path, test_env: dict[str, str]) -> None:
+                                                          tmp_path: Path, test_env: dict[str, str],
+                                                          reference_run: ReferenceRun) -> None:
     # On CPU, where torchao's float8 matmuls also run: TP and FSDP must not change what float8 computes. The
     # global batch is the same (8 sequences per data-parallel rank, 2 ranks under FSDP x TP).
-    spec = {"steps": 4, "clip": 1.0, "float8_on_cpu": True, "timeout_seconds": 120}
     dp = devices // strategy["tensor_parallel_size"]
-    one = launch(1, {**spec, "batch_size": 8 * dp, "strategy": {"float8": recipe}}, tmp_path / "one", test_env)[0]
+    spec = RunSpec(steps=4, batch_size=8 * dp, clip=1.0, float8_on_cpu=True, timeout_seconds=120)
+    one = reference_run(replace(spec, strategy={"float8": recipe}))
     # TritonAdamW updates the sharded runs (torch's ops on CPU, through the DTensor shards and, under FSDP,
     # torchao's float8 weight wrappers); the one-process run keeps torch's foreach AdamW.
-    many = launch(devices, {**spec, "batch_size": 8, "adamw": "triton", "strategy": {**strategy, "float8": recipe}},
+    many = launch(devices, replace(spec, batch_size=8, adamw="triton", strategy={**strategy, "float8": recipe}),
                   tmp_path / "many", test_env)
-    bf16 = launch(1, {**spec, "batch_size": 8 * dp}, tmp_path / "bf16", test_env)[0]
-    one_loss = _series(one, "train_loss")
-    assert one_loss != _series(bf16, "train_loss")  # float8 matmuls really ran
+    bf16 = reference_run(spec)
+    one_loss = series(one, "train_loss")
+    assert one_loss != series(bf16, "train_loss")  # float8 matmuls really ran
     for record in many:
-        assert _series(record, "train_loss") == pytest.approx(one_loss, rel=1e-4, abs=1e-5)
+        assert series(record, "train_loss") == pytest.approx(one_loss, rel=1e-4, abs=1e-5)

@@ -13,7 +13,8 @@ from llama_module import Llama, LlamaConfig
 from llama_module.hf import config_from_hf, hf_config
 from llama_module.hf_cli import main as titan_hf
 from tests.conftest import launch
-from tests.test_parity import GLOBAL_BATCH, RTOL
+from tests.parity import GLOBAL_BATCH, RTOL
+from tests.run_spec import RunSpec
 from tests.train_worker import TINY, AffineSequences
 from titan_strategy.checkpoint import read_hyper_parameters, read_model_weights
 
@@ -34,11 +35,12 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, TINY.vocab_size, (2, 32), generator=torch.Generator().manual_seed(5))
 
 
+@pytest.mark.multiprocess
 def test_export_of_a_sharded_checkpoint_gives_the_same_logits_in_transformers(tmp_path: Path,
                                                                              test_env: dict[str, str]) -> None:
     checkpoint = tmp_path / "step3.ckpt"
-    spec = {"steps": 3, "batch_size": GLOBAL_BATCH // 2, "save_at": 3, "save_path": str(checkpoint),
-            "strategy": {"tensor_parallel_size": 2}}  # fsdp2 x tp2: every weight is sharded
+    spec = RunSpec(steps=3, batch_size=GLOBAL_BATCH // 2, save_at=3, save_path=str(checkpoint),
+                   strategy={"tensor_parallel_size": 2})  # fsdp2 x tp2: every weight is sharded
     launch(4, spec, tmp_path / "run", test_env)
     titan_hf(["export", str(checkpoint), str(tmp_path / "hf"), "--dtype", "float32"])
     ours = _llama_from(read_model_weights(checkpoint), TINY)
@@ -63,6 +65,7 @@ def hf_llama(tmp_path: Path) -> Path:
     return directory
 
 
+@pytest.mark.multiprocess
 def test_import_gives_the_same_logits_and_trains_from_them_under_fsdp_x_tp(hf_llama: Path, tmp_path: Path,
                                                                           test_env: dict[str, str]) -> None:
     checkpoint = tmp_path / "imported"
@@ -78,12 +81,13 @@ def test_import_gives_the_same_logits_and_trains_from_them_under_fsdp_x_tp(hf_ll
         first_loss = torch.nn.functional.cross_entropy(ours(batch["input_ids"]).flatten(0, 1),
                                                        batch["labels"].flatten())
     # The first logged loss comes from the imported weights, sharded over fsdp2 x tp2.
-    spec = {"steps": 2, "batch_size": GLOBAL_BATCH // 2,
-            "strategy": {"tensor_parallel_size": 2, "initial_weights": str(checkpoint)}}
+    spec = RunSpec(steps=2, batch_size=GLOBAL_BATCH // 2,
+                   strategy={"tensor_parallel_size": 2, "initial_weights": str(checkpoint)})
     records = launch(4, spec, tmp_path / "run", test_env)
     assert records[0]["steps"][0]["train_loss"] == pytest.approx(float(first_loss), rel=RTOL)
 
 
+@pytest.mark.unit
 def test_bad_inputs_are_refused_clearly(hf_llama: Path, tmp_path: Path) -> None:
     from titan_strategy import TitanStrategy
 
@@ -100,6 +104,7 @@ def test_bad_inputs_are_refused_clearly(hf_llama: Path, tmp_path: Path) -> None:
         config_from_hf(tied)
 
 
+@pytest.mark.unit
 def test_config_round_trips_through_config_json() -> None:
     for config in (TINY, LlamaConfig(**{**TINY.__dict__, "rope_scaling": None})):
         assert config_from_hf(hf_config(config)) == config

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.conftest import launch
-from tests.test_parity import _series, assert_resume_continues
+from tests.conftest import DEVICES, launch
+from tests.parity import ReferenceRun, assert_resume_continues, series
+from tests.run_spec import RunSpec
 from titan_strategy.kernels import adamw
 from titan_strategy.kernels.adamw import TritonAdamW
 from titan_strategy.master_weights import hold_master_weights
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 # How close one device with master weights stays to FSDP2's mixed precision (the same numerics, gradients summed
 # in another order), and farther than which autocast's fp32 residual stream goes, over 10 steps of the tiny Llama.
 FSDP2_RTOL = 3e-4
@@ -64,6 +65,7 @@ def test_masters_follow_fp32_adamw_and_parameters_hold_them_rounded(device: str,
     assert len(launches) == (4 * 6 if device == "cuda" else 0)  # 6 parameters, 4 steps, all in the kernel
 
 
+@pytest.mark.unit
 def test_checkpoints_hold_the_fp32_masters_and_load_back_into_them() -> None:
     trained = _model("cpu")
     optimizer = TritonAdamW(trained.parameters(), **HYPER)
@@ -98,6 +100,7 @@ def test_checkpoints_hold_the_fp32_masters_and_load_back_into_them() -> None:
         assert fresh.state_dict()[name].data_ptr() == param.data_ptr()  # the hooks are gone
 
 
+@pytest.mark.unit
 def test_not_held_unless_triton_adamw_updates_every_fp32_parameter() -> None:
     model = _model("cpu")
     assert hold_master_weights(model, [torch.optim.AdamW(model.parameters())], torch.bfloat16) is None
@@ -112,32 +115,34 @@ def _assert_within(actual: list[float], expected: list[float], rtol: float) -> N
         assert abs(a - e) <= rtol * abs(e), f"step {step}: {a} vs {e} (rel {abs(a - e) / abs(e):.2e})"
 
 
-BF16_TRITON = {"clip": 1.0, "precision": "bf16-mixed", "adamw": "triton"}
+BF16_TRITON = RunSpec(steps=10, batch_size=8, clip=1.0, precision="bf16-mixed", adamw="triton")
 
 
-def test_one_device_trains_like_fsdp2_mixed_precision(tmp_path: Path, test_env: dict[str, str]) -> None:
-    spec = {**BF16_TRITON, "steps": 10}
-    single = launch(1, {**spec, "batch_size": 8}, tmp_path / "single", test_env)[0]
-    fsdp2 = launch(2, {**spec, "batch_size": 4}, tmp_path / "fsdp2", test_env)[0]
-    autocast = launch(1, {**spec, "batch_size": 8, "adamw": "foreach"}, tmp_path / "autocast", test_env)[0]
+@pytest.mark.multiprocess
+def test_one_device_trains_like_fsdp2_mixed_precision(tmp_path: Path, test_env: dict[str, str],
+                                                      reference_run: ReferenceRun) -> None:
+    single = launch(1, BF16_TRITON, tmp_path / "single", test_env)[0]
+    fsdp2 = launch(2, replace(BF16_TRITON, batch_size=4), tmp_path / "fsdp2", test_env)[0]
+    autocast = reference_run(replace(BF16_TRITON, adamw="foreach"))
     assert single["param_dtypes_in_training"] == ["torch.bfloat16"]
     assert single["param_dtypes_after_fit"] == autocast["param_dtypes_in_training"] == ["torch.float32"]
     for key in ("train_loss", "grad_norm"):
-        _assert_within(_series(single, key), _series(fsdp2, key), FSDP2_RTOL)
+        _assert_within(series(single, key), series(fsdp2, key), FSDP2_RTOL)
     # Autocast keeps the residual stream in fp32, which FSDP2's mixed precision does not: not the same numerics.
-    losses = zip(_series(autocast, "train_loss"), _series(fsdp2, "train_loss"))
+    losses = zip(series(autocast, "train_loss"), series(fsdp2, "train_loss"))
     assert max(abs(a - e) / e for a, e in losses) > FSDP2_RTOL
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_resumes_exactly_and_under_fsdp2(tmp_path: Path, test_env: dict[str, str]) -> None:
     # 24 samples of batch 8: step 3 ends an epoch, where Lightning resumes map-style data exactly.
-    spec: dict[str, Any] = {**BF16_TRITON, "steps": 6, "batch_size": 8, "samples": 24}
+    spec = replace(BF16_TRITON, steps=6, samples=24)
     checkpoint = tmp_path / "step3.ckpt"
-    original = launch(1, {**spec, "save_at": 3, "save_path": str(checkpoint)}, tmp_path / "saved", test_env)
-    resumed = launch(1, {**spec, "resume_from": str(checkpoint)}, tmp_path / "resumed", test_env)
+    original = launch(1, replace(spec, save_at=3, save_path=str(checkpoint)), tmp_path / "saved", test_env)
+    resumed = launch(1, replace(spec, resume_from=str(checkpoint)), tmp_path / "resumed", test_env)
     assert_resume_continues(original, resumed, saved_at=3, steps=6)  # masters and fp32 moments came back
     # The checkpoint is a plain fp32 one: FSDP2 (no master weights) picks it up.
-    sharded = launch(2, {**spec, "batch_size": 4, "resume_from": str(checkpoint)}, tmp_path / "fsdp2", test_env)
+    sharded = launch(2, replace(spec, batch_size=4, resume_from=str(checkpoint)), tmp_path / "fsdp2", test_env)
     after = [step for step in original[0]["steps"] if step["step"] > 3]
     _assert_within([s["train_loss"] for s in sharded[0]["steps"]], [s["train_loss"] for s in after], FSDP2_RTOL)
 
@@ -150,6 +155,7 @@ def process_group_left_behind() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@pytest.mark.unit  # Lightning's single-device fit, in this process
 @pytest.mark.usefixtures("process_group_left_behind")
 @pytest.mark.parametrize(("module_args", "trainer_args", "held"), [
     ({"adamw": "triton"}, {}, True),

@@ -7,6 +7,8 @@ import torch.distributed as dist
 
 from titan_strategy.mesh import ParallelDims, build_mesh
 
+pytestmark = pytest.mark.unit
+
 
 def _dims(world: int, **degrees: int) -> ParallelDims:
     defaults = {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "pp": 1}

@@ -11,6 +11,8 @@ from llama_module import Llama, LlamaConfig, RopeScaling
 from llama_module.args import FLAVORS, get_flavor
 from llama_module.hf import to_hf_state_dict
 
+pytestmark = pytest.mark.unit
+
 CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, ffn_dim=96, max_seq_len=64,
                      rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                               original_max_seq_len=16))
@@ -115,8 +117,15 @@ def test_sequence_longer_than_rope_table_is_refused() -> None:
         model(torch.zeros(1, 65, dtype=torch.long))
 
 
-def test_every_flavor_builds_on_meta() -> None:
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_every_flavor_builds_on_meta_with_the_counts_its_config_gives() -> None:
+    # The config's counts are the only ones (the planner and the MFU read them): they must be the built model's.
     for config in FLAVORS.values():
         with torch.device("meta"):
             model = Llama(config)
-        assert sum(p.numel() for p in model.parameters()) == config.num_params()
+        assert _numel(model) == config.num_params()
+        assert _numel(model) - _numel(model.tok_embeddings) == config.num_params(exclude_embedding=True)
+        assert {_numel(block) for block in model.layers.values()} == {config.block_params}

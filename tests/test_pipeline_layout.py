@@ -11,6 +11,8 @@ from llama_module.plan import llama_plan
 from titan_strategy.pipeline.layout import PipelineConfig, check_microbatch_split
 from titan_strategy.pipeline.split import split_for_rank, stage_module_names
 
+pytestmark = pytest.mark.unit
+
 
 def _blocks(config: PipelineConfig, num_blocks: int) -> list[list[int]]:
     return [list(r) for r in config.resolve(num_blocks).blocks]
@@ -41,15 +43,17 @@ def test_layout_splits_blocks_and_places_stages(config: PipelineConfig, num_bloc
 
 @pytest.mark.parametrize(("config", "num_blocks", "message"), [
     (PipelineConfig(2, "Interleaved1F1B"), 2, r"The model has 2 blocks, fewer than the 4 pipeline stages "
-                                              r"\(pipeline_parallel_size=2 x 2 per rank\).*Lower pipeline_parallel_size"),
+                                              r"\(pipeline_parallel_size=2 x 2 per rank\)"
+                                              r".*Lower pipeline_parallel_size"),
     (PipelineConfig(4, "1F1B", microbatches=2), 8, r"pipeline_schedule='1F1B' needs at least 4 microbatches .* but "
                                                    r"pipeline_microbatches=2; raise it to 4"),
     (PipelineConfig(2, "DualPipeV", microbatches=3), 8, r"'DualPipeV' needs at least 4 microbatches"),
     (PipelineConfig(4, "Interleaved1F1B", microbatches=9), 8, r"pipeline_microbatches=9 is not a multiple of its 2 "
                                                               r"rounds. Use a multiple of 4"),
-    (PipelineConfig(2, "ZBVZeroBubble", layers_per_stage=1), 6, r"pipeline_layers_per_stage=1 over 6 blocks gives 3 "
-                                                                r"stages per rank, but .*'ZBVZeroBubble' needs exactly 2"),
-    (PipelineConfig(2, "1F1B", layers_per_stage=1), 4, r"gives 2 stages per rank, but pipeline_schedule='1F1B' runs one"),
+    (PipelineConfig(2, "ZBVZeroBubble", layers_per_stage=1), 6,
+     r"pipeline_layers_per_stage=1 over 6 blocks gives 3 stages per rank, but .*'ZBVZeroBubble' needs exactly 2"),
+    (PipelineConfig(2, "1F1B", layers_per_stage=1), 4,
+     r"gives 2 stages per rank, but pipeline_schedule='1F1B' runs one"),
     (PipelineConfig(2, "1F1B", split_points=(1, 2)), 4, r"pipeline_split_points=\[1, 2\] gives 3 stages, which "
                                                         r"pipeline_parallel_size=2 ranks cannot share evenly"),
     (PipelineConfig(2, "GPipe", split_points=(4,)), 4, r"pipeline_split_points=\[4\] must lie strictly between 0 and "
@@ -64,7 +68,7 @@ def test_bad_layouts_fail_with_the_knob_to_change(config: PipelineConfig, num_bl
 
 
 def test_unknown_schedule_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"pipeline_schedule='ZB' is unknown; choose one of \['GPipe', '1F1B', "
+    with pytest.raises(ValueError, match=r"pipeline_schedule='ZB' must be one of \['GPipe', '1F1B', "
                                          r"'Interleaved1F1B', 'LoopedBFS', 'InterleavedZeroBubble', 'ZBVZeroBubble', "
                                          r"'DualPipeV'\]"):
         PipelineConfig(2, "ZB")

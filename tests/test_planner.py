@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llama_module.args import LlamaConfig, get_flavor
+from llama_module.args import FLAVORS, LlamaConfig, get_flavor
 from llama_module.paper_runs import PAPER_RUNS, PaperRun
-from llama_module.plan_cli import check_training_config, model_shape
+from llama_module.plan_cli import check_training_config
 from llama_module.plan_cli import main as titan_plan
 from tests.conftest import launch
-from titan_strategy.planner.estimate import Job, Layout, estimate
+from tests.run_spec import RunSpec
+from titan_strategy.planner.estimate import Job, Layout, ModelShape, estimate
 from titan_strategy.planner.hardware import get_gpu
 from titan_strategy.planner.search import PlanError, check_layout, plan_layouts
 
@@ -22,9 +23,16 @@ ONE_GPU = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "cp": 1, "pp": 1, "schedul
            "stages_per_rank": 1, "float8": False}
 
 
+@pytest.mark.unit
+def test_a_llama_config_is_the_planners_model_shape() -> None:
+    # The planner imports nothing of llama_module: it calls the config's own counts through this protocol.
+    assert all(isinstance(config, ModelShape) for config in FLAVORS.values())
+
+
 EIGHT_B_WIDTH = LlamaConfig(dim=4096, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("shape", "batch", "ac", "measured_gib"), [
     # Peak allocated of Lightning + TitanStrategy on one H200 (no FSDP, autocast), compiled blocks and loss,
     # seq 8192 (benchmarks/RESULTS.md, issue #8 fourth pass, native GQA; the 8B width's AC rows from the third
@@ -37,7 +45,7 @@ EIGHT_B_WIDTH = LlamaConfig(dim=4096, n_layers=16, n_heads=32, n_kv_heads=8, voc
 def test_peak_memory_within_15_percent_of_the_measured_gpu_runs(shape: LlamaConfig, batch: int, ac: str,
                                                                  measured_gib: float) -> None:
     job = Job(gpus=1, gpus_per_node=1, gpu=get_gpu("H200"), seq_len=8192, global_batch_tokens=8192 * batch)
-    estimated = estimate(model_shape(shape), Layout(**ONE_GPU, ac=ac), job).peak_allocated_gib
+    estimated = estimate(shape, Layout(**ONE_GPU, ac=ac), job).peak_allocated_gib
     assert estimated == pytest.approx(measured_gib, rel=0.15)
 
 
@@ -46,18 +54,19 @@ CPU_SHAPE = {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_si
              "max_seq_len": 1024}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ac", ["none", "selective_op", "full"])
 def test_peak_memory_within_20_percent_of_a_measured_cpu_run(ac: str, tmp_path: Path, test_env: dict[str, str]) -> None:
     # TitanStrategy on one CPU rank (no FSDP), bf16-mixed, eager loss: the second step's peak, storage by storage.
     batch = 2
-    spec = {"steps": 2, "batch_size": batch, "seq_len": CPU_SHAPE["max_seq_len"], "model": CPU_SHAPE,
-            "precision": "bf16-mixed", "memory_probe_step": 1, "strategy": {"activation_checkpointing": ac}}
+    spec = RunSpec(steps=2, batch_size=batch, seq_len=CPU_SHAPE["max_seq_len"], model=CPU_SHAPE,
+                   precision="bf16-mixed", memory_probe_step=1, strategy={"activation_checkpointing": ac})
     [record] = launch(1, spec, tmp_path, test_env)
     measured_gib = record["peak_memory_bytes"] / 2**30
     job = Job(gpus=1, gpus_per_node=1, gpu=get_gpu("H200"), seq_len=CPU_SHAPE["max_seq_len"],
               global_batch_tokens=CPU_SHAPE["max_seq_len"] * batch, compiled_blocks=False,
               compiled_loss=False)
-    shape = model_shape(LlamaConfig(**CPU_SHAPE))
+    shape = LlamaConfig(**CPU_SHAPE)
     estimated = estimate(shape, Layout(**ONE_GPU, ac=ac), job).peak_allocated_gib
     assert estimated == pytest.approx(measured_gib, rel=0.20), f"estimated {estimated:.4f} GiB"
 
@@ -66,6 +75,7 @@ def _degrees(layout: Layout) -> tuple[int, int, int, int]:
     return layout.dp, layout.tp, layout.cp, layout.pp
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("run", [PAPER_RUNS[0], PAPER_RUNS[1], PAPER_RUNS[4]],
                          ids=["8B-fsdp128", "70B-2d", "8B-cp8-262k"])
 def test_the_papers_layout_is_in_the_top_3(run: PaperRun) -> None:
@@ -76,6 +86,7 @@ def test_the_papers_layout_is_in_the_top_3(run: PaperRun) -> None:
     assert _degrees(run.layout) in top3
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("run", "rel"), [(PAPER_RUNS[0], 0.15), (PAPER_RUNS[1], 0.15)], ids=["8B-fsdp128", "70B-2d"])
 def test_the_papers_speed_is_estimated_within_15_percent(run: PaperRun, rel: float) -> None:
     # The paper's H100s ran at 500 W, below the 989 TFLOP/s peak the estimate assumes; 8B: compiled, bf16. The
@@ -84,6 +95,7 @@ def test_the_papers_speed_is_estimated_within_15_percent(run: PaperRun, rel: flo
     assert speed == pytest.approx(run.tokens_per_s_per_gpu, rel=rel)
 
 
+@pytest.mark.unit
 def test_the_planner_proposes_only_what_the_strategy_runs() -> None:
     # TitanStrategy refuses zero-bubble schedules with compiled blocks: the planner must not propose them for a
     # compiled job (it did, ranking them first), and --check names the strategy's reason.
@@ -97,20 +109,23 @@ def test_the_planner_proposes_only_what_the_strategy_runs() -> None:
         check_layout(run.shape, zero_bubble, run.job)
 
 
+@pytest.mark.unit
 def test_more_memory_per_layer_than_the_gpu_has_is_refused_with_the_reason() -> None:
     job = Job(gpus=8, gpus_per_node=8, gpu=get_gpu("H100"), seq_len=8192, global_batch_tokens=8 * 8192)
     with pytest.raises(PlanError, match=r"No layout of 8 x H100 \(80 GiB\) fits.*6,048 GiB"):
-        plan_layouts(model_shape(get_flavor("405B")), job)
+        plan_layouts(get_flavor("405B"), job)
 
 
+@pytest.mark.unit
 def test_a_layout_that_cannot_run_names_the_problem_and_the_nearest_that_fits() -> None:
     job = Job(gpus=8, gpus_per_node=8, gpu=get_gpu("H100"), seq_len=8192, global_batch_tokens=16 * 8192)
     bad = Layout(**{**ONE_GPU, "dp_shard": 8}, ac="none")  # 8B, 2 sequences per GPU, no AC: over 80 GiB
     with pytest.raises(PlanError, match=r"needs \d+\.\d GiB per GPU, more than the 80 GiB.*nearest layout that "
                                         r"fits: .*ac=(selective_op|full)"):
-        check_layout(model_shape(get_flavor("8B")), bad, job)
+        check_layout(get_flavor("8B"), bad, job)
 
 
+@pytest.mark.unit
 def test_cli_plans_draws_and_checks(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     png = tmp_path / "plan.png"
     assert titan_plan(["--model", "8B", "--gpus", "16", "--gpu", "H200", "--top", "3", "--png", str(png)]) == 0
@@ -120,11 +135,13 @@ def test_cli_plans_draws_and_checks(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "fits" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("llama3_*.yaml")))
 def test_every_shipped_gpu_config_fits_on_h100s(config: str) -> None:
     check_training_config(yaml.safe_load((REPO / "configs" / config).read_text()), get_gpu("H100"))
 
 
+@pytest.mark.unit
 def test_check_resolves_the_pipeline_knobs_as_the_strategy_does() -> None:
     config = yaml.safe_load((REPO / "configs" / "llama3_405b_fsdp8_tp8_pp8.yaml").read_text())
     plan, _ = check_training_config(config, get_gpu("H100"))
@@ -134,6 +151,7 @@ def test_check_resolves_the_pipeline_knobs_as_the_strategy_does() -> None:
         check_training_config(config, get_gpu("H100"))
 
 
+@pytest.mark.unit
 def test_cli_check_refuses_a_config_that_does_not_divide(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     config = (REPO / "configs" / "llama3_8b_fsdp.yaml").read_text().replace(
         "data_parallel_shard_size: -1", "data_parallel_shard_size: -1\n      tensor_parallel_size: 3")
@@ -145,6 +163,7 @@ def test_cli_check_refuses_a_config_that_does_not_divide(tmp_path: Path, capsys:
     assert "gpus=12 is not a multiple of gpus_per_node=8" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_titan_fit_plan_check_stops_a_run_that_cannot_fit_before_anything_starts(tmp_path: Path,
                                                                                 capsys: pytest.CaptureFixture) -> None:
     from llama_module.cli import TitanCLI
@@ -156,3 +175,12 @@ def test_titan_fit_plan_check_stops_a_run_that_cannot_fit_before_anything_starts
                                                     "--model.model=405B", "--plan_check=H100",
                                                     f"--trainer.default_root_dir={tmp_path}"])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.unit
+def test_the_planner_prices_every_ac_mode_the_strategy_has() -> None:
+    from titan_strategy.knobs import choices
+    from titan_strategy.parallelize.activation_checkpoint import ACMode
+    from titan_strategy.planner.estimate import RECOMPUTE
+
+    assert sorted(RECOMPUTE) == sorted(choices(ACMode))

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from llama_module import LlamaModule
 from tests.conftest import launch
+from tests.run_spec import RunSpec
 from tests.train_worker import TINY, AffineSequences
 from titan_strategy import Throughput
 from titan_strategy.callbacks.throughput import ThroughputWindow, peak_tflops_of
@@ -20,6 +21,7 @@ GLOBAL_BATCH = 8
 EVERY = 2
 
 
+@pytest.mark.unit
 def test_window_arithmetic() -> None:
     window = ThroughputWindow(tokens=16384 * 10, seconds=3.0, data_seconds=0.3, ranks_per_batch=4,
                               flops_per_token=1e10, peak_tflops=989.0)
@@ -32,6 +34,7 @@ def test_window_arithmetic() -> None:
     assert set(unknown.metrics()) == {"throughput/tokens_per_s_per_device", "throughput/data_loading_percent"}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("name", "peak"), [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
                                             ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
                                             ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0), ("Tesla T4", None)])
@@ -39,6 +42,7 @@ def test_peak_table(name: str, peak: float | None) -> None:
     assert peak_tflops_of(name) == peak
 
 
+@pytest.mark.unit
 def test_flops_per_token_of_the_1b_shape() -> None:
     # Llama-3.2-1B shape, untied output: 1.236e9 non-embedding parameters, and attention at seq 8192.
     module = LlamaModule(model="1B")
@@ -46,6 +50,7 @@ def test_flops_per_token_of_the_1b_shape() -> None:
     assert module.flops_per_token(8192) == 6 * non_embedding + 12 * 16 * 2048 * 8192
 
 
+@pytest.mark.unit  # Lightning's single-device fit, in this process
 def test_logs_to_the_trainers_loggers_with_any_strategy(tmp_path: Path) -> None:
     module = LlamaModule(model=TINY, warmup_steps=1, decay_steps=10)
     logger = CSVLogger(tmp_path)
@@ -63,6 +68,7 @@ def test_logs_to_the_trainers_loggers_with_any_strategy(tmp_path: Path) -> None:
     assert {"tok/s", "mfu%"} <= set(trainer.progress_bar_metrics)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("nproc", "strategy", "ranks_per_batch"), [
     (4, {"data_parallel_shard_size": 2, "tensor_parallel_size": 2}, 2),
     (4, {"data_parallel_shard_size": 2, "pipeline_parallel_size": 2}, 2),
@@ -71,8 +77,8 @@ def test_per_device_rate_is_the_global_rate_over_the_world(nproc: int, strategy:
                                                             tmp_path: Path, test_env: dict[str, str]) -> None:
     steps = 1 + 2 * EVERY  # the first batch is warm-up, then two windows
     dp = nproc // ranks_per_batch
-    spec = {"steps": steps, "batch_size": GLOBAL_BATCH // dp, "seq_len": SEQ_LEN, "strategy": strategy,
-            "throughput": {"log_every_n_steps": EVERY}}
+    spec = RunSpec(steps=steps, batch_size=GLOBAL_BATCH // dp, seq_len=SEQ_LEN, strategy=strategy,
+                   throughput={"log_every_n_steps": EVERY})
     records = launch(nproc, spec, tmp_path, test_env)
     flops_per_token = LlamaModule(model=TINY).flops_per_token(SEQ_LEN)
     for record in records:

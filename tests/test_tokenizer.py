@@ -11,6 +11,8 @@ import pytest
 
 from llama_module.tokenizer import DEFAULT_BPE, Tokenizer, special_tokens
 
+pytestmark = pytest.mark.unit
+
 TEXT = "Lightning trains Llama 3 on 2 CPUs: 1234 tokens/s, naïve café — ok?\n\nYes."
 
 

@@ -1,7 +1,9 @@
 """One training run under TitanStrategy, launched by the tests (tests/fork_launch.py, torchrun or Lightning's launcher).
 
     python tests/fork_launch.py 2 SPEC.json OUT_DIR
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/train_worker.py SPEC.json OUT_DIR
+    PYTHONPATH=. python -m torch.distributed.run --standalone --nproc-per-node 2 tests/train_worker.py SPEC.json OUT_DIR
+
+SPEC.json is a ``tests.run_spec.RunSpec`` (``RunSpec.to_json``).
 
 Every rank writes OUT_DIR/rank{N}.json with the logged ``train_loss`` (and ``grad_norm``) of each
 optimizer step, so tests can compare runs of different layouts with a single-process run. A rank
@@ -31,9 +33,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
 import titan_strategy.checkpoint.io as checkpoint_io
-import titan_strategy.strategy
 from llama_module import LlamaConfig, LlamaModule, TextDataModule
+from tests.run_spec import RunSpec
 from titan_strategy import FlightRecorder, Throughput, TitanStrategy
+from titan_strategy.parallelize.float8 import Float8Config
 
 # 8 query and 4 kv heads: grouped-query attention that still splits 4 ways under tensor parallelism.
 TINY = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=128, max_seq_len=64)
@@ -86,10 +89,15 @@ def _lightning_callbacks(out_dir: Path) -> list[Callback]:
             EarlyStopping(monitor="train_loss", patience=0, check_on_train_epoch_end=True)]
 
 
-def _evaluate(trainer: L.Trainer, model: L.LightningModule, spec: dict[str, Any]) -> dict[str, Any]:
+def _pipeline_runner(trainer: L.Trainer) -> Any:
+    """The strategy's pipeline (its ``stage_modules``), or None without pipeline parallelism."""
+    runtime = getattr(trainer.strategy, "runtime", None)
+    return runtime.pipeline if runtime is not None else None
+
+
+def _evaluate(trainer: L.Trainer, model: L.LightningModule, spec: RunSpec) -> dict[str, Any]:
     """trainer.test and trainer.predict after fit, on the validation sequences."""
-    loader = DataLoader(AffineSequences(64, spec.get("seq_len", 32), TINY.vocab_size, seed=99),
-                        batch_size=spec["batch_size"])
+    loader = DataLoader(AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99), batch_size=spec.batch_size)
     [tested] = trainer.test(model, dataloaders=loader, verbose=False)
     predictions = trainer.predict(model, dataloaders=loader)
     return {"test_loss": tested["test_loss"],
@@ -98,7 +106,7 @@ def _evaluate(trainer: L.Trainer, model: L.LightningModule, spec: dict[str, Any]
 
 
 class RemovalLog:
-    """Which complete checkpoints existed each time one named ``*.ckpt`` was removed."""
+    """Which complete checkpoints existed each time one named ``*.ckpt`` was removed (patches the removal)."""
 
     def __init__(self) -> None:
         self.removals: list[dict[str, Any]] = []
@@ -156,7 +164,7 @@ class Sabotage(Callback):
                 else None
             (native / f"nccl_trace_rank_{trainer.global_rank}").write_bytes((native_dump or c10d_ext._dump_fr_trace)())
         else:
-            pipeline = getattr(trainer.strategy, "_pipeline", None)
+            pipeline = _pipeline_runner(trainer)
             module = pipeline.stage_modules[0] if pipeline is not None else pl_module
             module.register_forward_hook(lambda *_: time.sleep(self.drill["stall_s"]))
 
@@ -226,8 +234,9 @@ class Recorder(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self.val_losses:  # every module (pipeline stages included) is back in training mode
-            stages = getattr(trainer.strategy, "_pipeline", None)
-            modules = [*pl_module.modules(), *(m for part in (stages.stage_modules if stages else []) for m in part.modules())]
+            stages = _pipeline_runner(trainer)
+            modules = [*pl_module.modules(),
+                       *(m for part in (stages.stage_modules if stages else []) for m in part.modules())]
             self.training_mode_after_validation.append(all(m.training for m in modules))
 
 
@@ -255,75 +264,77 @@ class MemoryProbe(Callback):
             self.peak_bytes = sum(device["Total"] for device in self.tracker.get_tracker_snapshot("peak").values())
 
 
-def main(spec: dict[str, Any], out_dir: Path) -> None:
-    L.seed_everything(spec.get("seed", 0), verbose=False)
-    if spec.get("float8_on_cpu"):
+def main(spec: RunSpec, out_dir: Path) -> None:
+    L.seed_everything(spec.seed, verbose=False)
+    if spec.float8_on_cpu:
         # torchao's float8 matmuls run on CPU too (slowly): the strategy refuses them there as pointless, but a
         # test can check how float8 composes with TP and FSDP on gloo this way.
-        titan_strategy.strategy.check_float8_device = lambda recipe, device: None
-    if spec.get("lightning_model_parallel"):
-        strategy = ModelParallelStrategy(data_parallel_size=spec["devices"], tensor_parallel_size=1)
+        Float8Config.check_device = lambda self, device: None
+    if spec.lightning_model_parallel:
+        strategy = ModelParallelStrategy(data_parallel_size=spec.devices, tensor_parallel_size=1)
     else:
         # Short, so that a hang fails the test; compiling runs may ask for longer (cold inductor cache).
-        strategy = TitanStrategy(**spec.get("strategy", {}), timeout_seconds=spec.get("timeout_seconds", 60))
-    recorder = Recorder(spec.get("save_at"), spec.get("save_path"), spec.get("rng_probe", False))
-    callbacks = [recorder, *(_lightning_callbacks(out_dir) if spec.get("lightning_callbacks") else [])]
-    if "model_checkpoint" in spec:  # ModelCheckpoint's arguments, dirpath included
-        callbacks.append(ModelCheckpoint(**spec["model_checkpoint"]))
-    if "flight_recorder" in spec:  # FlightRecorder's arguments; dumps go to OUT_DIR/flight_recorder
-        callbacks.append(FlightRecorder(**spec["flight_recorder"]))
-    if "drill" in spec:
-        callbacks.append(Sabotage(spec["drill"], out_dir))
-    throughput = Throughput(**spec["throughput"]) if "throughput" in spec else None
-    memory_probe = MemoryProbe(spec["memory_probe_step"]) if "memory_probe_step" in spec else None
+        strategy = TitanStrategy(**spec.strategy, timeout_seconds=spec.timeout_seconds)
+    recorder = Recorder(spec.save_at, spec.save_path, spec.rng_probe)
+    callbacks = [recorder, *(_lightning_callbacks(out_dir) if spec.lightning_callbacks else [])]
+    if spec.model_checkpoint is not None:  # ModelCheckpoint's arguments, dirpath included
+        callbacks.append(ModelCheckpoint(**spec.model_checkpoint))
+    if spec.flight_recorder is not None:  # FlightRecorder's arguments; dumps go to OUT_DIR/flight_recorder
+        callbacks.append(FlightRecorder(**spec.flight_recorder))
+    if spec.drill is not None:
+        callbacks.append(Sabotage(spec.drill, out_dir))
+    throughput = Throughput(**spec.throughput) if spec.throughput is not None else None
+    memory_probe = MemoryProbe(spec.memory_probe_step) if spec.memory_probe_step is not None else None
     callbacks += [callback for callback in (throughput, memory_probe) if callback is not None]
-    removal_log = RemovalLog()
-    if spec.get("slow_writes_s") or spec.get("kill_during_save"):
-        _interfere_with_writes(spec.get("slow_writes_s", 0.0), spec.get("kill_during_save"))
+    removal_log = RemovalLog() if spec.log_removals else None
+    if spec.slow_writes_s or spec.kill_during_save:
+        _interfere_with_writes(spec.slow_writes_s, spec.kill_during_save)
     trainer = L.Trainer(
-        accelerator=spec.get("accelerator", "cpu"), devices=spec.get("devices", 1), strategy=strategy, precision=spec.get("precision", "32-true"),
-        max_steps=spec["steps"], accumulate_grad_batches=spec.get("accumulate", 1),
-        gradient_clip_val=spec.get("clip"), callbacks=callbacks, logger=False,
-        enable_checkpointing=bool(spec.get("lightning_callbacks") or "model_checkpoint" in spec),
-        enable_progress_bar=bool(spec.get("progress_bar")),
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2 if spec.get("validate") else 0,
+        accelerator=spec.accelerator, devices=spec.devices, strategy=strategy, precision=spec.precision,
+        max_steps=spec.steps, accumulate_grad_batches=spec.accumulate,
+        gradient_clip_val=spec.clip, callbacks=callbacks, logger=False,
+        enable_checkpointing=spec.lightning_callbacks or spec.model_checkpoint is not None,
+        enable_progress_bar=spec.progress_bar,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2 if spec.validate else 0,
         limit_test_batches=2, limit_predict_batches=2,
-        val_check_interval=spec.get("val_every", spec["steps"]) if spec.get("validate") else None,
+        val_check_interval=(spec.steps if spec.val_every is None else spec.val_every) if spec.validate else None,
         default_root_dir=str(out_dir),
     )
-    module_cls = SelfShardedLlama if spec.get("self_sharded") else \
-        DefaultPipelineLoss if spec.get("default_pipeline_loss") else LlamaModule
-    model_args = dict(lr=spec.get("lr", 3e-3), warmup_steps=2, decay_steps=100, adamw=spec.get("adamw", "auto"),
-                      attention_kernel=spec.get("attention_kernel", "sdpa"))
-    if spec.get("data") == "text":
+    module_cls = SelfShardedLlama if spec.self_sharded else \
+        DefaultPipelineLoss if spec.default_pipeline_loss else LlamaModule
+    model_args = {"lr": spec.lr, "warmup_steps": 2, "decay_steps": 100, "adamw": spec.adamw,
+                  "attention_kernel": spec.attention_kernel}
+    if spec.data == "text":
         model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "vocab_size": 8448}), **model_args)
-        data = TextDataModule(source="offline", seq_len=32, batch_size=spec["batch_size"], val_batches=0)
-        trainer.fit(model, datamodule=data, ckpt_path=spec.get("resume_from"))
+        data = TextDataModule(source="offline", seq_len=32, batch_size=spec.batch_size, val_batches=0)
+        trainer.fit(model, datamodule=data, ckpt_path=spec.resume_from)
     else:
-        shape = {"n_layers": spec.get("n_layers", TINY.n_layers), **spec.get("model", {})}
-        model = module_cls(model=LlamaConfig(**{**TINY.__dict__, **shape}), **model_args)
-        seq_len = spec.get("seq_len", 32)
-        samples = AffineSequences(spec.get("samples", 512), seq_len, TINY.vocab_size)
-        loader = DataLoader(samples, batch_size=spec["batch_size"])
-        val_loader = DataLoader(AffineSequences(64, seq_len, TINY.vocab_size, seed=99), batch_size=spec["batch_size"])
-        trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.get("resume_from"))
+        n_layers = TINY.n_layers if spec.n_layers is None else spec.n_layers
+        model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "n_layers": n_layers, **spec.model}), **model_args)
+        samples = AffineSequences(spec.samples, spec.seq_len, TINY.vocab_size)
+        loader = DataLoader(samples, batch_size=spec.batch_size)
+        val_loader = DataLoader(AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99), batch_size=spec.batch_size)
+        trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.resume_from)
     result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
-              "hook_calls": recorder.hook_calls, "training_mode_after_validation": recorder.training_mode_after_validation,
+              "hook_calls": recorder.hook_calls,
+              "training_mode_after_validation": recorder.training_mode_after_validation,
               "grads_alive_after_forward": recorder.grads_alive_after_forward,
               "param_dtypes_in_training": recorder.param_dtypes_in_training,
               "param_dtypes_after_fit": sorted({str(p.dtype) for p in model.parameters()}),
               "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step,
               "batch_rank": trainer.strategy.distributed_sampler_kwargs["rank"] if trainer.world_size > 1 else 0,
-              "removals": removal_log.removals, "callbacks": [type(c).__name__ for c in trainer.callbacks]}
+              "callbacks": [type(c).__name__ for c in trainer.callbacks]}
+    if removal_log is not None:
+        result["removals"] = removal_log.removals
     if memory_probe is not None:
         result["peak_memory_bytes"] = memory_probe.peak_bytes
     if throughput is not None:
         result["throughput"] = [dataclasses.asdict(window) | window.metrics() for window in throughput.windows]
-    if spec.get("lightning_callbacks"):
+    if spec.lightning_callbacks:
         checkpoint = trainer.checkpoint_callback
         result |= {"best_model_score": float(checkpoint.best_model_score),
                    "best_k_models": sorted(Path(path).name for path in checkpoint.best_k_models)}
-    if spec.get("evaluate"):
+    if spec.evaluate:
         result |= _evaluate(trainer, model, spec)
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     # Leave together: a rank that tears its gloo connections down while another still talks can make that
@@ -349,7 +360,7 @@ def _report_failure(error: Exception, out_dir: Path, wait_s: float = 20.0) -> No
 def run(spec_file: Path, out_dir: Path) -> None:
     """This rank's part of the run ``spec_file`` describes; a failure is reported where the tests read it."""
     try:
-        main(json.loads(spec_file.read_text()), out_dir)
+        main(RunSpec.from_json(spec_file.read_text()), out_dir)
     except Exception as failure:
         _report_failure(failure, out_dir)
         raise

@@ -8,8 +8,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from titan_strategy.callbacks import FlightRecorder, Throughput
 from titan_strategy.checkpoint import CHECKPOINT_MODES, CorruptCheckpointError, DistributedCheckpointIO
 from titan_strategy.mesh import ParallelDims, TitanMesh
-from titan_strategy.plan import ContextParallelPlan, ParallelPlan, PipelinePlan, TensorParallelPlan
 from titan_strategy.pipeline.layout import PIPELINE_SCHEDULES
+from titan_strategy.plan import ContextParallelPlan, ParallelPlan, PipelinePlan, TensorParallelPlan
 from titan_strategy.step_metrics import log_step_metric
 from titan_strategy.strategy import TitanStrategy
 

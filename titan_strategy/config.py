@@ -10,21 +10,18 @@ from typing import Any, get_type_hints
 import torch
 
 from titan_strategy.checkpoint.config import CheckpointConfig
-from titan_strategy.checkpoint.io import CheckpointMode
 from titan_strategy.distributed import DistributedConfig
 from titan_strategy.knobs import KNOB
 from titan_strategy.mesh import MeshConfig
-from titan_strategy.parallelize.activation_checkpoint import ACMode, ActivationCheckpointConfig
+from titan_strategy.parallelize.activation_checkpoint import ActivationCheckpointConfig
 from titan_strategy.parallelize.compile import CompileConfig
-from titan_strategy.parallelize.context_parallel import ContextParallelConfig, RotateMethod
-from titan_strategy.parallelize.float8 import Float8Config, Float8Recipe
-from titan_strategy.parallelize.fsdp import FSDPConfig, ReshardPolicy
+from titan_strategy.parallelize.context_parallel import ContextParallelConfig
+from titan_strategy.parallelize.float8 import Float8Config
+from titan_strategy.parallelize.fsdp import FSDPConfig
 from titan_strategy.parallelize.tensor_parallel import TensorParallelConfig
-from titan_strategy.pipeline.layout import ZERO_BUBBLE_SCHEDULES, PipelineConfig, ScheduleName
+from titan_strategy.pipeline.layout import ZERO_BUBBLE_SCHEDULES, PipelineConfig
 
-# The knobs' Literal types are re-exported: TitanStrategy's signature spells its arguments with them.
-__all__ = ["PLUGIN_ARGUMENTS", "ACMode", "CheckpointMode", "Float8Recipe", "ReshardPolicy", "RotateMethod",
-           "ScheduleName", "TitanConfig", "compiled_tp_problem", "compiled_zero_bubble_problem", "knob_names"]
+__all__ = ["PLUGIN_ARGUMENTS", "TitanConfig", "compiled_tp_problem", "compiled_zero_bubble_problem", "knob_names"]
 
 # TitanStrategy's arguments that are Lightning plugins beside the knobs, not knobs.
 PLUGIN_ARGUMENTS = ("cluster_environment", "checkpoint_io")

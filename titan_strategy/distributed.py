@@ -46,7 +46,8 @@ class ProcessGroups:
     checkpoint: dist.ProcessGroup
 
 
-def init_default_group(cluster_environment: ClusterEnvironment, device: torch.device, config: DistributedConfig) -> None:
+def init_default_group(cluster_environment: ClusterEnvironment, device: torch.device,
+                       config: DistributedConfig) -> None:
     """The default process group over every rank (a no-op where it exists already)."""
     backend = config.backend or _get_default_process_group_backend_for_device(device)
     device_id = device if device.type != "cpu" else None

@@ -7,7 +7,7 @@ say which flat ``TitanStrategy`` knob they hold (``knob(...)``); ``TitanConfig.f
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, get_args
+from typing import Any, Literal, get_args, get_origin
 
 __all__ = ["KNOB", "check_choice", "check_positive", "choices", "knob"]
 
@@ -20,11 +20,11 @@ def knob(name: str, default: Any) -> Any:
 
 
 def choices(literal: Any) -> tuple[Any, ...]:
-    """The values a ``Literal[...]`` type (or a union of them) allows, in declaration order."""
-    values: list[Any] = []
-    for arg in get_args(literal):
-        values += choices(arg) if get_args(arg) else [arg]
-    return tuple(values)
+    """The values a ``Literal[...]`` type allows, in declaration order (those of its Literal members, for a union
+    such as ``Literal[...] | None``); empty for any other type."""
+    if get_origin(literal) is Literal:
+        return get_args(literal)
+    return tuple(value for arg in get_args(literal) for value in choices(arg))
 
 
 def check_choice(name: str, value: Any, literal: Any) -> None:

@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from typing_extensions import override
-
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from titan_strategy.grad_norm import clip_grad_norm_, clip_scale, total_grad_norm
 from titan_strategy.kernels.adamw import TritonAdamW
@@ -30,9 +29,10 @@ __all__ = ["PrecisionMode", "SUPPORTED_PRECISION", "TitanPrecision", "configure_
 
 TrainerPrecision = Literal["32-true", "bf16-mixed"]
 SUPPORTED_PRECISION: tuple[str, ...] = choices(TrainerPrecision)
-PrecisionMode = Literal["fp32", "fsdp_mixed", "autocast", "master_weights"]
-"""How a step computes: fp32 throughout; bf16 through FSDP2's MixedPrecisionPolicy (sharded); bf16 parameters
-with fp32 masters in TritonAdamW (``master_weights.py``); or fp32 parameters under autocast."""
+PrecisionMode = Literal["fsdp_mixed", "autocast", "master_weights"]
+"""What gives the step its compute dtype: FSDP2's MixedPrecisionPolicy (sharded); bf16 parameters with fp32
+masters in TritonAdamW (``master_weights.py``); or autocast over fp32 parameters. Under "32-true" there is no
+lower dtype, so each of them computes in fp32 (autocast, then, is not entered)."""
 
 
 class TitanPrecision(Precision):
@@ -48,7 +48,7 @@ class TitanPrecision(Precision):
             )
         self.precision = precision
         self.device_type = device_type
-        self.mode: PrecisionMode = "fp32" if precision == "32-true" else "autocast"
+        self.mode: PrecisionMode = "autocast"
         self.on_grad_norm: Callable[[Tensor], None] | None = None
         # Set by the strategy: waits until an async checkpoint has copied the parameters the step will change.
         self.before_parameter_update: Callable[[], None] | None = None
@@ -72,7 +72,8 @@ class TitanPrecision(Precision):
     @contextmanager
     @override
     def forward_context(self) -> Generator[None, None, None]:
-        with torch.autocast(self.device_type, dtype=self.param_dtype) if self.mode == "autocast" else nullcontext():
+        autocast = self.use_autocast and self.param_dtype is not None
+        with torch.autocast(self.device_type, dtype=self.param_dtype) if autocast else nullcontext():
             yield
 
     @override
@@ -138,10 +139,10 @@ def configure_precision(plugin: TitanPrecision, module: pl.LightningModule, runt
                         optimizers: list[Optimizer]) -> MasterWeights | None:
     """Decide how this run computes and set ``plugin`` up for it: the one place precision is chosen.
 
-    - "32-true": fp32.
     - A module that parallelized itself (no runtime): autocast, as Lightning runs it.
     - A module FSDP shards: FSDP2's mixed precision (``parallelize`` gave it the policy).
-    - An unsharded module whose every parameter TritonAdamW updates, with one backward per step: master weights.
+    - Under bf16-mixed, an unsharded module whose every parameter TritonAdamW updates, with one backward per
+      step: master weights.
     - Otherwise autocast.
 
     Returns:
@@ -149,10 +150,8 @@ def configure_precision(plugin: TitanPrecision, module: pl.LightningModule, runt
     """
     plugin.grad_norm_group = runtime.grad_norm_group if runtime is not None else None
     master = None
-    if plugin.param_dtype is None:
-        mode: PrecisionMode = "fp32"
-    elif runtime is None:
-        mode = "autocast"
+    if runtime is None:
+        mode: PrecisionMode = "autocast"
     elif runtime.sharded:
         mode = "fsdp_mixed"
     else:

@@ -27,21 +27,23 @@ from typing_extensions import override
 from titan_strategy.callbacks.flight_recorder import attach_flight_recorder
 from titan_strategy.checkpoint import DistributedCheckpointIO, RankPlace, load_model_weights, optimizer_state_dict
 from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
-from titan_strategy.checkpoint.rng import ResumedRngStates
-from titan_strategy.checkpoint.io import checked_checkpoint_io, checkpoint_io_for
+from titan_strategy.checkpoint.io import CheckpointMode, checked_checkpoint_io, checkpoint_io_for
 from titan_strategy.checkpoint.resume import resume_from_newest
+from titan_strategy.checkpoint.rng import ResumedRngStates
 from titan_strategy.collectives import all_reduce, barrier, broadcast_object
-from titan_strategy.config import (ACMode, CheckpointMode, Float8Recipe, ReshardPolicy, RotateMethod, ScheduleName,
-                                   PLUGIN_ARGUMENTS, TitanConfig)
+from titan_strategy.config import PLUGIN_ARGUMENTS, TitanConfig
 from titan_strategy.distributed import ProcessGroups, build_process_groups, init_default_group
 from titan_strategy.launcher import ModuleCheckingLauncher
 from titan_strategy.master_weights import MasterWeights
 from titan_strategy.mesh import ParallelDims, TitanMesh
 from titan_strategy.parallelize import parallelize
+from titan_strategy.parallelize.activation_checkpoint import ACMode
 from titan_strategy.parallelize.compile import apply_compile_loss
-from titan_strategy.parallelize.fsdp import no_gradient_sync
+from titan_strategy.parallelize.context_parallel import RotateMethod
+from titan_strategy.parallelize.float8 import Float8Recipe
+from titan_strategy.parallelize.fsdp import ReshardPolicy, no_gradient_sync
 from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
-from titan_strategy.pipeline.layout import PipelineConfig
+from titan_strategy.pipeline.layout import PipelineConfig, ScheduleName
 from titan_strategy.plan import PlannedModule
 from titan_strategy.precision import TitanPrecision, configure_precision, to_titan_precision
 from titan_strategy.runtime import ParallelRuntime, Stage
@@ -55,11 +57,9 @@ _NOT_KNOBS = ("self", "__class__", *PLUGIN_ARGUMENTS)
 class TitanStrategy(ParallelStrategy):
     """Train a LightningModule under FSDP2/HSDP on a named 5-D DeviceMesh ``(pp, dp_replicate, dp_shard, cp, tp)``.
 
-    A module that declares a ``parallel_plan()`` is built on the meta device and parallelized by the
-    strategy; a module that parallelizes itself in ``configure_model`` (ModelParallelStrategy style)
-    is left alone. Both see the mesh as ``self.device_mesh``. On a single device the planned module is
-    not wrapped in FSDP (there is nothing to shard); ``"bf16-mixed"`` then gives it bf16 weights whose fp32
-    masters TritonAdamW keeps (``master_weights.py``), or, with another optimizer, runs it under autocast.
+    A module that declares a ``parallel_plan()`` is built on the meta device and parallelized by the strategy;
+    one that parallelizes itself in ``configure_model`` (ModelParallelStrategy style) is left alone. Both see
+    the mesh as ``self.device_mesh``. How ``"bf16-mixed"`` runs is ``precision.configure_precision``'s choice.
 
     Args:
         data_parallel_replicate_size: HSDP replicas (parameters replicated across them).
@@ -97,6 +97,7 @@ class TitanStrategy(ParallelStrategy):
     """
 
     strategy_name = "titan"
+    num_nodes = 1  # the Trainer sets its own where the attribute exists
 
     def __init__(  # one line per feature; the docstring above documents each knob
         self,
@@ -114,22 +115,18 @@ class TitanStrategy(ParallelStrategy):
         initial_weights: str | None = None, checkpoint_mode: CheckpointMode = "sync", auto_resume: bool = False,
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: DistributedCheckpointIO | None = None,
     ) -> None:
-        # The flat arguments are the public contract (YAML keys, CLI flags); TitanConfig turns them into one
-        # validated object per feature, so a bad value fails here, in Trainer(strategy=...).
+        # The flat knobs are the public contract (YAML, CLI); here they become one validated object per feature.
         self.config = TitanConfig.from_knobs(**{name: value for name, value in locals().items()
                                                 if name not in _NOT_KNOBS})
         self.config.check_torch()
-        # Left unset in Strategy until first read, so that a checkpoint-IO plugin of the Trainer reaches the
-        # setter's check instead of Lightning's "set through both" error.
+        # Unset in Strategy until first read: a Trainer's checkpoint-IO plugin then reaches the setter's check.
         self._titan_checkpoint_io = checkpoint_io_for(checkpoint_mode, checkpoint_io)
         super().__init__(cluster_environment=cluster_environment)
         self.runtime: ParallelRuntime | None = None
         self._master_weights: MasterWeights | None = None
         self._groups: ProcessGroups | None = None
-        self._dims: ParallelDims | None = None
         self._fitting = False
         self._resumed_rng = ResumedRngStates()
-        self.num_nodes = 1
 
     # ---- degrees, mesh and processes -------------------------------------------------------------
 
@@ -137,12 +134,10 @@ class TitanStrategy(ParallelStrategy):
     def pipeline(self) -> PipelineConfig:
         return self.config.pipeline
 
-    @property
+    @functools.cached_property
     def parallel_dims(self) -> ParallelDims:
         """The validated degrees; resolving them needs the world size, known once devices are set."""
-        if self._dims is None:
-            self._dims = self.config.mesh.resolve(self.num_nodes * self.num_processes)
-        return self._dims
+        return self.config.mesh.resolve(self.num_nodes * self.num_processes)
 
     @property
     def device_mesh(self) -> TitanMesh:
@@ -169,8 +164,7 @@ class TitanStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        batch = self.device_mesh["batch"]
-        return {"num_replicas": batch.size(), "rank": batch.get_local_rank()}
+        return {"num_replicas": self.device_mesh["batch"].size(), "rank": self.device_mesh["batch"].get_local_rank()}
 
     @property
     @override
@@ -212,8 +206,6 @@ class TitanStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
-
-    # ---- precision --------------------------------------------------------------------------------
 
     @property
     @override
@@ -323,9 +315,8 @@ class TitanStrategy(ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         module = self.lightning_module
         if module.automatic_optimization and batch_idx % module.trainer.accumulate_grad_batches == 0:
-            # Lightning zeroes gradients only after training_step, so the last window's would stay
-            # allocated through this forward (the fp32 gradients of the whole model: about 17 GiB at
-            # 8B width x 16 layers). Released here, before the window's first forward.
+            # Lightning zeroes gradients only after training_step: the last window's would stay allocated through
+            # this forward (about 17 GiB of fp32 gradients at 8B width x 16 layers). Released here.
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
         self._resumed_rng.before_batch(self.root_device)
@@ -442,8 +433,7 @@ class TitanStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        # Not Strategy.teardown: moving a sharded model to the CPU is wasted work, but every plugin
-        # (checkpoint IO included, so pending saves flush) is torn down.
+        # Not Strategy.teardown, which moves the sharded model to the CPU; but every plugin is torn down (saves flush).
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

@@ -59,7 +59,8 @@ def read_model_weights(path: Path) -> dict[str, Tensor]:
     prefix = _MODEL + "."
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     weights = {key.removeprefix(prefix): torch.empty(entry.size, dtype=entry.properties.dtype)
-               for key, entry in metadata.items() if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+               for key, entry in metadata.items()
+               if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
     state = {_MODEL: weights}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is the intent

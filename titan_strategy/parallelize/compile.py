@@ -30,7 +30,8 @@ class CompileConfig:
         """Refuse a module this config cannot compile, before any process starts."""
         if self.loss and not callable(getattr(module, "compute_loss", None)):
             raise ValueError(f"compile_loss=True compiles the module's compute_loss(output, target), but "
-                             f"{type(module).__name__} has none; define it (see LlamaModule) or set compile_loss=False.")
+                             f"{type(module).__name__} has none; define it (see LlamaModule) "
+                             "or set compile_loss=False.")
 
 
 def apply_compile(model: nn.Module, blocks: tuple[str, ...]) -> None:

@@ -228,7 +228,8 @@ class SequenceSharder:
 
     @contextmanager
     def step(self, batch: Mapping[str, Any], seq_len: int) -> Generator[dict[str, Any], None, None]:
-        """Yield this rank's share of ``batch``; meanwhile buffers hold this rank's rows and attention is ring attention."""
+        """Yield this rank's share of ``batch``; meanwhile buffers hold this rank's rows and attention is ring
+        attention."""
         local = {key: self.shard(value, self.plan.batch[key]) if key in self.plan.batch else value
                  for key, value in batch.items()}
         full_buffers = {name: getattr(owner, attribute) for name, (owner, attribute, _) in self._buffers.items()}

@@ -60,7 +60,8 @@ def materialize_with_reset_parameters(module: nn.Module, device: torch.device) -
     module.to_empty(device=device)
     uninitialized = set()
     for submodule in module.modules():
-        if not any(True for _ in itertools.chain(submodule.parameters(recurse=False), submodule.buffers(recurse=False))):
+        if not any(True for _ in itertools.chain(submodule.parameters(recurse=False),
+                                                 submodule.buffers(recurse=False))):
             continue
         reset = getattr(submodule, "reset_parameters", None)
         if not callable(reset):

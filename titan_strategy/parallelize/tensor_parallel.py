@@ -53,8 +53,8 @@ def check_tp_plan(plan: TensorParallelPlan | None, tp: int, *, loss_parallel: bo
         if size % tp:
             fix = "loss_parallel=False or " if name == "vocab_size" else ""
             divisors = [d for d in range(1, min(size, 64) + 1) if size % d == 0]
-            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={size}; use {fix}a tensor_parallel_size "
-                             f"that divides it ({divisors}).")
+            raise ValueError(f"tensor_parallel_size={tp} does not divide {name}={size}; "
+                             f"use {fix}a tensor_parallel_size that divides it ({divisors}).")
 
 
 def check_sequence_length(seq_len: int, tp: int) -> None:

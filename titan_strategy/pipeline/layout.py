@@ -77,11 +77,13 @@ class PipelineConfig:
         if self.layers_per_stage is not None and self.split_points is not None:
             raise ValueError("Set pipeline_layers_per_stage or pipeline_split_points, not both: each fixes the split.")
         if self.split_points is not None and list(self.split_points) != sorted(set(self.split_points)):
-            raise ValueError(f"pipeline_split_points={list(self.split_points)} must be strictly increasing block indices.")
+            raise ValueError(f"pipeline_split_points={list(self.split_points)} "
+                             "must be strictly increasing block indices.")
         spr = self.stages_per_rank
         if spr is not None and self.schedule in SINGLE_STAGE_SCHEDULES and spr != 1:
-            raise ValueError(f"pipeline_schedule={self.schedule!r} runs one stage per rank, but pipeline_stages_per_rank="
-                             f"{spr}; use 1, or a multi-stage schedule such as 'Interleaved1F1B'.")
+            raise ValueError(f"pipeline_schedule={self.schedule!r} runs one stage per rank, but "
+                             f"pipeline_stages_per_rank={spr}; use 1, or a multi-stage schedule "
+                             "such as 'Interleaved1F1B'.")
         if spr is not None and self.schedule in V_SCHEDULES and spr != 2:
             raise ValueError(f"pipeline_schedule={self.schedule!r} places exactly 2 stages per rank in a V, but "
                              f"pipeline_stages_per_rank={spr}; use 2 (or leave it unset).")
@@ -125,21 +127,24 @@ class PipelineConfig:
                   f"pipeline_layers_per_stage={self.layers_per_stage} over {num_blocks} blocks"
                   if self.layers_per_stage is not None else None)
         if num_stages % self.size:
-            raise ValueError(f"{source} gives {num_stages} stages, which pipeline_parallel_size={self.size} ranks cannot "
-                             "share evenly; choose a split whose stage count is a multiple of the pipeline size.")
+            raise ValueError(f"{source} gives {num_stages} stages, which pipeline_parallel_size={self.size} ranks "
+                             "cannot share evenly; "
+                             "choose a split whose stage count is a multiple of the pipeline size.")
         per_rank = num_stages // self.size
         if self.stages_per_rank is not None and per_rank != self.stages_per_rank:
             raise ValueError(f"{source} gives {per_rank} stages per rank, but pipeline_stages_per_rank="
                              f"{self.stages_per_rank}; drop one of the two knobs.")
         if self.is_single_stage and per_rank != 1:
-            raise ValueError(f"{source} gives {per_rank} stages per rank, but pipeline_schedule={self.schedule!r} runs one; "
-                             "use a multi-stage schedule such as 'Interleaved1F1B', or a split with one stage per rank.")
+            raise ValueError(f"{source} gives {per_rank} stages per rank, but pipeline_schedule={self.schedule!r} "
+                             "runs one; use a multi-stage schedule such as 'Interleaved1F1B', "
+                             "or a split with one stage per rank.")
         if self.schedule in V_SCHEDULES and per_rank != 2:
-            raise ValueError(f"{source} gives {per_rank} stages per rank, but pipeline_schedule={self.schedule!r} needs "
-                             "exactly 2; choose a split with 2 x pipeline_parallel_size stages.")
+            raise ValueError(f"{source} gives {per_rank} stages per rank, but pipeline_schedule={self.schedule!r} "
+                             "needs exactly 2; choose a split with 2 x pipeline_parallel_size stages.")
         if num_blocks < num_stages:
             raise ValueError(f"The model has {num_blocks} blocks, fewer than the {num_stages} pipeline stages "
-                             f"(pipeline_parallel_size={self.size} x {per_rank} per rank); every stage needs at least one. "
+                             f"(pipeline_parallel_size={self.size} x {per_rank} per rank); "
+                             "every stage needs at least one. "
                              "Lower pipeline_parallel_size or pipeline_stages_per_rank.")
 
     def _split(self, num_blocks: int, num_stages: int) -> tuple[range, ...]:
@@ -160,8 +165,9 @@ class PipelineConfig:
         # The same rules torch's schedules enforce, raised here with the knobs to change.
         needed = {"1F1B": self.size, "DualPipeV": num_stages}.get(self.schedule)
         if needed is not None and microbatches < needed:
-            raise ValueError(f"pipeline_schedule={self.schedule!r} needs at least {needed} microbatches (one per stage), "
-                             f"but pipeline_microbatches={microbatches}; raise it to {needed} or more.")
+            raise ValueError(f"pipeline_schedule={self.schedule!r} needs at least {needed} microbatches "
+                             f"(one per stage), but pipeline_microbatches={microbatches}; "
+                             f"raise it to {needed} or more.")
         if self.schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
             rounds = max(1, microbatches // self.size)
             if microbatches % rounds:
@@ -173,8 +179,9 @@ class PipelineConfig:
 def check_microbatch_split(batch_size: int, microbatches: int) -> None:
     """A Lightning batch must split into equal microbatches (the loss is a mean of their means)."""
     if batch_size % microbatches:
-        raise ValueError(f"A batch of {batch_size} samples cannot be split into pipeline_microbatches={microbatches} "
-                         "equal microbatches; use a per-rank batch size divisible by it (and drop_last=True), or change "
+        raise ValueError(f"A batch of {batch_size} samples cannot be split into "
+                         f"pipeline_microbatches={microbatches} equal microbatches; "
+                         "use a per-rank batch size divisible by it (and drop_last=True), or change "
                          "pipeline_microbatches.")
 
 

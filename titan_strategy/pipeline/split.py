@@ -70,8 +70,9 @@ def _view(module: nn.Module, drop: set[str]) -> nn.Module:
     if not drop:
         return module
     if module._parameters:
-        raise ValueError(f"{type(module).__name__} holds parameters of its own ({sorted(module._parameters)}) beside the "
-                         "modules that pipeline stages split; move them into a submodule the plan assigns to a stage.")
+        raise ValueError(f"{type(module).__name__} holds parameters of its own ({sorted(module._parameters)}) "
+                         "beside the modules that pipeline stages split; "
+                         "move them into a submodule the plan assigns to a stage.")
     view = nn.Module.__new__(type(module))
     # Own child table and own hook tables (FSDP registers hooks on each stage root); shared parameters
     # and buffers, so the pruned model sees every change a wrapper makes.

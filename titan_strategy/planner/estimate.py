@@ -11,15 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from titan_strategy.parallelize.activation_checkpoint import ACMode
 from titan_strategy.parallelize.fsdp import fsdp_wraps
+from titan_strategy.pipeline.layout import ScheduleName
 from titan_strategy.planner.hardware import GPU
 
-__all__ = ["Job", "Layout", "ModelShape", "Estimate", "estimate", "activation_bytes_per_token", "kv_dim",
-           "SCHEDULES", "AC_MODES"]
+__all__ = ["Job", "Layout", "ModelShape", "Estimate", "estimate", "activation_bytes_per_token", "kv_dim"]
 
 GIB = 2**30
-SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV")
-AC_MODES = ("none", "selective_op", "selective_layer", "full")
 _BF16, _FP32 = 2, 4
 # Measured on one H200 (RESULTS.md #8): 56.4% MFU for the 1B shape, 55.2% for 8B width, compiled.
 ACHIEVABLE_MFU = 0.55
@@ -56,7 +55,7 @@ FRAGMENTATION = 1.10
 RUNTIME_GIB = 2.0
 # Extra compute of recomputation, as a share of the step without AC: measured on the 1B shape (RESULTS.md #8:
 # selective_op kept 91.6% of the speed, full 83.7%).
-RECOMPUTE = {"none": 0.0, "selective_op": 0.09, "selective_layer": 0.10, "full": 0.19}
+RECOMPUTE: dict[ACMode, float] = {"none": 0.0, "selective_op": 0.09, "selective_layer": 0.10, "full": 0.19}
 
 
 @runtime_checkable
@@ -151,10 +150,10 @@ class Layout:
     tp: int
     cp: int
     pp: int
-    schedule: str | None
+    schedule: ScheduleName | None
     microbatches: int
     stages_per_rank: int
-    ac: str
+    ac: ACMode
     float8: bool
 
     @property

@@ -11,7 +11,7 @@ import itertools
 from dataclasses import dataclass
 
 from titan_strategy.config import compiled_zero_bubble_problem
-from titan_strategy.planner.estimate import AC_MODES, Estimate, Job, Layout, ModelShape, estimate
+from titan_strategy.planner.estimate import RECOMPUTE, Estimate, Job, Layout, ModelShape, estimate
 
 __all__ = ["Plan", "PlanError", "check_layout", "describe", "explain", "layout_problems", "plan_layouts",
            "ranking_score", "row_key"]
@@ -101,8 +101,8 @@ def explain(layout: Layout, job: Job, shape: ModelShape) -> tuple[str, ...]:
         reasons.append(f"TP{layout.tp} within a node: its per-layer collectives need NVLink, and it cuts each rank's "
                        "activations and FSDP group size")
     if layout.pp > 1:
-        reasons.append(f"PP{layout.pp} ({layout.schedule}, {layout.microbatches} microbatches) across the slowest links: "
-                       "one activation per stage boundary")
+        reasons.append(f"PP{layout.pp} ({layout.schedule}, {layout.microbatches} microbatches) "
+                       "across the slowest links: one activation per stage boundary")
     if layout.cp > 1:
         reasons.append(f"CP{layout.cp}: a {job.seq_len}-token sequence's activations do not fit on fewer ranks")
     if layout.dp_replicate > 1:
@@ -118,7 +118,8 @@ def explain(layout: Layout, job: Job, shape: ModelShape) -> tuple[str, ...]:
 
 
 def check_layout(shape: ModelShape, layout: Layout, job: Job) -> Plan:
-    """Estimate one given layout; ``PlanError`` if it cannot run or does not fit, naming the nearest layout that does."""
+    """Estimate one given layout; ``PlanError`` if it cannot run or does not fit, naming the nearest layout that
+    does."""
     problems = layout_problems(shape, layout, job)
     result = estimate(shape, layout, job) if not problems else None
     if result is not None and result.memory_gib > job.gpu.memory_gib:
@@ -205,7 +206,7 @@ def ranking_score(plan: Plan) -> float:
 
 def _rank_key(plan: Plan) -> tuple:
     # Within 0.5%, the simpler wins: no float8, less recomputation.
-    return (-float(f"{ranking_score(plan):.3g}"), plan.layout.float8, AC_MODES.index(plan.layout.ac))
+    return (-float(f"{ranking_score(plan):.3g}"), plan.layout.float8, RECOMPUTE[plan.layout.ac])
 
 
 def describe(layout: Layout) -> str:

@@ -1,0 +1,78 @@
+"""What one test training run does: the typed spec that tests/train_worker.py runs.
+
+Tests build a ``RunSpec`` (or ``dataclasses.replace`` one), ``tests/conftest.py::launch`` writes it as
+JSON for the worker's ranks, and the worker reads it back with ``RunSpec.from_json``: a misspelled key
+fails there with a TypeError instead of being ignored. No torch or Lightning import here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["RunSpec"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run of the tiny Llama under TitanStrategy; each field's default is the worker's."""
+
+    steps: int  # optimizer steps (Trainer max_steps)
+    batch_size: int  # per data-parallel rank
+    devices: int = 1  # set by launch to its process count
+    seed: int = 0
+    accelerator: str = "cpu"
+    precision: str = "32-true"
+    strategy: dict[str, Any] = field(default_factory=dict)  # TitanStrategy's arguments
+    timeout_seconds: float = 60  # TitanStrategy's; short, so that a hang fails the test
+    lightning_model_parallel: bool = False  # Lightning's ModelParallelStrategy instead of TitanStrategy
+    float8_on_cpu: bool = False  # lift the strategy's refusal of float8 on CPU
+
+    # The model and its data.
+    n_layers: int | None = None  # None: the worker's TINY (2)
+    model: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields over TINY's
+    self_sharded: bool = False  # a module that applies FSDP2 itself (SelfShardedLlama)
+    default_pipeline_loss: bool = False  # leave the pipeline loss to the strategy's default
+    lr: float = 3e-3
+    adamw: str = "auto"
+    attention_kernel: str = "sdpa"
+    data: Literal["affine", "text"] = "affine"  # AffineSequences, or TextDataModule's offline corpus
+    seq_len: int = 32
+    samples: int = 512  # training sequences (affine data)
+
+    # The loop.
+    accumulate: int = 1  # accumulate_grad_batches
+    clip: float | None = None  # gradient_clip_val
+    validate: bool = False
+    val_every: int | None = None  # val_check_interval when validating; None: at the last step
+    evaluate: bool = False  # trainer.test and trainer.predict after fit
+    progress_bar: bool = False
+
+    # Checkpoints.
+    save_at: int | None = None  # trainer.save_checkpoint(save_path) at this global step
+    save_path: str | None = None
+    resume_from: str | None = None  # fit's ckpt_path
+    rng_probe: bool = False  # record one draw of each generator a checkpoint restores
+    lightning_callbacks: bool = False  # best-2 ModelCheckpoint and EarlyStopping on train_loss
+    model_checkpoint: dict[str, Any] | None = None  # ModelCheckpoint's arguments, dirpath included
+
+    # Callbacks.
+    flight_recorder: dict[str, Any] | None = None  # FlightRecorder's arguments
+    throughput: dict[str, Any] | None = None  # Throughput's arguments
+    memory_probe_step: int | None = None  # measure this step's peak memory with MemTracker
+
+    # Fault injection: each patches something only when asked for.
+    drill: dict[str, Any] | None = None  # Sabotage's hang drill
+    slow_writes_s: float = 0.0  # added to each DCP shard write
+    kill_during_save: dict[str, int] | None = None  # {"rank": r, "save": n}: SIGKILL rank r in its n-th shard write
+    log_removals: bool = False  # record which complete checkpoints existed at each removal ("removals")
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys): equal specs give equal text."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        return cls(**json.loads(text))
