@@ -96,7 +96,12 @@ class LlamaConfig:
         12 * layers * dim * seq_len, counted over the full (not causal-halved) score matrix, as the
         PaLM paper and torchtitan count it. Recomputation under activation checkpointing is not counted.
         """
-        return 6 * self.num_params(exclude_embedding=True) + 12 * self.n_layers * self.dim * seq_len
+        outside_blocks = self.num_params(exclude_embedding=True) - self.n_layers * self.block_params
+        return self.n_layers * self.block_flops_per_token(seq_len) + 6 * outside_blocks
+
+    def block_flops_per_token(self, seq_len: int) -> int:
+        """One block's share of ``flops_per_token``: 6 per parameter, plus attention's 12 * dim * seq_len."""
+        return 6 * self.block_params + 12 * self.dim * seq_len
 
 
 _LLAMA_3_2 = RopeScaling(factor=32.0)

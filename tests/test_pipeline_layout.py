@@ -117,3 +117,17 @@ def test_a_stage_without_embedding_or_head_runs_on_hidden_states() -> None:
     assert list(middle[1].layers) == ["2"] and list(model.layers) == ["1", "2"]
     hidden = torch.empty(2, 16, 64, device="meta")
     assert middle[1](middle[0](hidden)).shape == (2, 16, 64)
+
+
+def test_a_pipeline_plan_that_cannot_log_its_loss_is_refused_before_the_model_is_touched() -> None:
+    from titan_strategy.config import TitanConfig
+    from titan_strategy.mesh import ParallelDims
+    from titan_strategy.parallelize import check_plan
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2)
+    config = TitanConfig.from_knobs(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 runs the pipeline schedule in place of the "
+                                         r"module's steps, which log the loss; give the module's PipelinePlan "
+                                         r"log_loss="):
+        check_plan(llama_plan(_meta_llama(4)), dims, config)
+    assert check_plan(llama_plan(_meta_llama(4), log_loss=lambda stage, loss: None), dims, config) is not None

@@ -38,7 +38,8 @@ lower dtype, so each of them computes in fp32 (autocast, then, is not entered)."
 class TitanPrecision(Precision):
     """``"bf16-mixed"`` keeps fp32 master weights, computes in bf16 and reduces gradients in fp32.
 
-    How is ``mode``'s, which ``configure_precision`` sets once the model and its optimizers exist.
+    Which ``PrecisionMode`` does it is ``mode``, set by ``configure_precision`` once the model and its optimizers
+    exist.
     """
 
     def __init__(self, precision: TrainerPrecision, device_type: str) -> None:

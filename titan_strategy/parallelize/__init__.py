@@ -53,9 +53,9 @@ def check_plan(plan: ParallelPlan, dims: ParallelDims, config: TitanConfig) -> P
         raise ValueError(f"pipeline_parallel_size={dims.pp}, but the module's parallel_plan() declares no "
                          "pipeline plan; set pipeline_parallel_size=1 or add one (see llama_module/plan.py).")
     if plan.pipeline.log_loss is None:
-        raise ValueError(f"pipeline_parallel_size={dims.pp} runs the schedule in place of the module's steps, so "
-                         "their logging; the module's PipelinePlan must say how it logs a loss (log_loss=...), see "
-                         "llama_module/plan.py.")
+        raise ValueError(f"pipeline_parallel_size={dims.pp} runs the pipeline schedule in place of the module's "
+                         "steps, which log the loss; give the module's PipelinePlan log_loss=(stage, loss) -> None "
+                         "(see llama_module/plan.py), or set pipeline_parallel_size=1.")
     return config.pipeline.resolve(len(plan.blocks))
 
 

@@ -95,6 +95,9 @@ class ModelShape(Protocol):
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of training one token of a ``seq_len``-token sequence (forward, backward, no recompute)."""
 
+    def block_flops_per_token(self, seq_len: int) -> float:
+        """The share of ``flops_per_token`` that one transformer block does."""
+
 
 def kv_dim(shape: ModelShape) -> int:
     """Width of the key (or the value) projection's output: the key/value heads' share of ``dim``."""
@@ -241,8 +244,8 @@ def _last_stage_share(shape: ModelShape, layout: Layout, seq_len: int) -> float:
     output projection and the loss (the first stage's embedding lookup is nearly free), and all wait on it."""
     if layout.pp == 1:
         return 1.0
-    block = 6 * shape.block_params + 12 * shape.dim * seq_len
-    head = 6 * shape.vocab_size * shape.dim
+    block = shape.block_flops_per_token(seq_len)
+    head = shape.flops_per_token(seq_len) - shape.n_layers * block  # the output projection and the final norm
     return (shape.n_layers / layout.pp * block + head) / ((shape.n_layers * block + head) / layout.pp)
 
 
