@@ -45,7 +45,8 @@ TINY = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, 
 class AffineSequences(Dataset):
     """Learnable, deterministic sequences: token[t+1] = (5 * token[t] + 3) mod vocab, random starts."""
 
-    def __init__(self, count: int, seq_len: int, vocab: int, seed: int = 1234) -> None:
+    def __init__(self, count: int, seq_len: int, vocab: int, seed: int = 1234, with_ids: bool = False) -> None:
+        self.with_ids = with_ids  # each sample also carries its index, "sample_id", for tests that check the order
         starts = torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed))
         tokens = [starts]
         for _ in range(seq_len):
@@ -57,7 +58,8 @@ class AffineSequences(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         window = self.tokens[index]
-        return {"input_ids": window[:-1], "labels": window[1:]}
+        sample = {"input_ids": window[:-1], "labels": window[1:]}
+        return {**sample, "sample_id": torch.tensor(index)} if self.with_ids else sample
 
 
 class SelfShardedLlama(LlamaModule):
@@ -212,6 +214,8 @@ class Recorder(Callback):
                            batch_idx: int) -> None:
         metrics = trainer.callback_metrics
         record = {"step": trainer.global_step, "train_loss": float(metrics["train_loss"])}
+        if "sample_id" in batch:
+            record["sample_ids"] = batch["sample_id"].tolist()
         stepped = not self.steps or self.steps[-1]["step"] != trainer.global_step
         if stepped and "grad_norm" in metrics:  # logged by the optimizer step this batch completed
             record["grad_norm"] = float(metrics["grad_norm"])
@@ -311,7 +315,7 @@ def main(spec: RunSpec, out_dir: Path) -> None:
     else:
         n_layers = TINY.n_layers if spec.n_layers is None else spec.n_layers
         model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "n_layers": n_layers, **spec.model}), **model_args)
-        samples = AffineSequences(spec.samples, spec.seq_len, TINY.vocab_size)
+        samples = AffineSequences(spec.samples, spec.seq_len, TINY.vocab_size, with_ids=spec.record_sample_ids)
         loader = DataLoader(samples, batch_size=spec.batch_size)
         val_loader = DataLoader(AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99), batch_size=spec.batch_size)
         trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.resume_from)

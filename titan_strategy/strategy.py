@@ -16,7 +16,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
@@ -47,6 +47,7 @@ from titan_strategy.pipeline.layout import PipelineConfig, ScheduleName
 from titan_strategy.plan import PlannedModule
 from titan_strategy.precision import TitanPrecision, configure_precision, to_titan_precision
 from titan_strategy.runtime import ParallelRuntime, Stage
+from titan_strategy.sampler import TrainingPosition
 from titan_strategy.step_metrics import log_step_metric
 
 __all__ = ["TitanStrategy"]
@@ -99,7 +100,7 @@ class TitanStrategy(ParallelStrategy):
     strategy_name = "titan"
     num_nodes = 1  # the Trainer sets its own where the attribute exists
 
-    def __init__(  # one line per feature; the docstring above documents each knob
+    def __init__(  # about one line per feature; the docstring above documents each knob
         self,
         data_parallel_replicate_size: int = 1, data_parallel_shard_size: int = -1, tensor_parallel_size: int = 1,
         context_parallel_size: int = 1, context_parallel_rotate_method: RotateMethod = "allgather",
@@ -108,9 +109,8 @@ class TitanStrategy(ParallelStrategy):
         pipeline_layers_per_stage: int | None = None, pipeline_split_points: list[int] | None = None,
         fsdp_reshard_after_forward: ReshardPolicy = "default",
         sequence_parallel: bool = True, loss_parallel: bool = True, async_tensor_parallel: bool = False,
-        compile: bool = False, compile_loss: bool = False,
+        compile: bool = False, compile_loss: bool = False, float8: Float8Recipe = "none",
         activation_checkpointing: ACMode = "none", activation_checkpointing_every: int = 2,
-        float8: Float8Recipe = "none",
         process_group_backend: str | None = None, timeout_seconds: float = 1800.0, flight_recorder: bool = False,
         initial_weights: str | None = None, checkpoint_mode: CheckpointMode = "sync", auto_resume: bool = False,
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: DistributedCheckpointIO | None = None,
@@ -125,8 +125,8 @@ class TitanStrategy(ParallelStrategy):
         self.runtime: ParallelRuntime | None = None
         self._master_weights: MasterWeights | None = None
         self._groups: ProcessGroups | None = None
-        self._fitting = False
         self._resumed_rng = ResumedRngStates()
+        self._training_position = TrainingPosition()
 
     # ---- degrees, mesh and processes -------------------------------------------------------------
 
@@ -243,8 +243,7 @@ class TitanStrategy(ParallelStrategy):
         if self.config.checkpoint.initial_weights_path is not None:
             load_model_weights(self.config.checkpoint.initial_weights_path, module, self._groups.checkpoint)
         self.barrier()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
+        if fitting := trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self._master_weights = configure_precision(precision, module, self.runtime, self.optimizers)
         self.setup_precision_plugin()
@@ -308,10 +307,6 @@ class TitanStrategy(ParallelStrategy):
     on_test_end = on_predict_end = on_validation_end
 
     @override
-    def on_train_start(self) -> None:
-        self._fitting = True
-
-    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         module = self.lightning_module
         if module.automatic_optimization and batch_idx % module.trainer.accumulate_grad_batches == 0:
@@ -320,15 +315,14 @@ class TitanStrategy(ParallelStrategy):
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
         self._resumed_rng.before_batch(self.root_device)
+        self._training_position.batch_started()
 
     @override
     def on_train_end(self) -> None:
-        self._fitting = False
         self.checkpoint_io.flush()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._fitting = False
         self.checkpoint_io.flush_after_exception()
 
     @override
@@ -337,6 +331,11 @@ class TitanStrategy(ParallelStrategy):
         if self.runtime is not None:
             self.runtime.after_optimizer_step()
         return output
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self._training_position.process(dataloader, training=self.lightning_module.trainer.training,
+                                               data_parallel=self.distributed_sampler_kwargs["num_replicas"])
 
     @override
     def model_to_device(self) -> None:
@@ -417,8 +416,10 @@ class TitanStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
                         storage_options: Any | None = None) -> None:
+        trainer = self.lightning_module.trainer
+        self._training_position.save(checkpoint)
         self.checkpoint_io.save_checkpoint(checkpoint, self.broadcast(str(filepath)), storage_options)
-        if not self._fitting:  # outside fit nothing would flush it before the process ends
+        if trainer.state.status != TrainerStatus.RUNNING:  # after a run nothing would flush it before the process ends
             self.checkpoint_io.flush()
 
     @override
@@ -429,6 +430,7 @@ class TitanStrategy(ParallelStrategy):
             strict=self.lightning_module.strict_loading, weights_only=weights_only, group=self._groups.checkpoint,
         )
         self._resumed_rng.loaded(loaded.rng_states, loaded.rng_before_next_epoch, self.root_device)
+        self._training_position.load(loaded.lightning)
         return loaded.lightning
 
     @override

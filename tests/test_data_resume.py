@@ -1,0 +1,114 @@
+"""A plain map-style DataLoader, shuffled by Lightning's sampler injection, resumes exactly: at an epoch's end,
+mid-epoch under gradient accumulation, and on another data-parallel layout with the same global batch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import launch
+from tests.parity import Record
+from tests.run_spec import RunSpec
+
+pytestmark = pytest.mark.multiprocess
+
+# 32 samples at a global batch of 8: an epoch is 4 batches, so 8 steps cross one epoch boundary.
+DP2 = RunSpec(steps=8, batch_size=4, samples=32, clip=1.0, record_sample_ids=True,
+              strategy={"data_parallel_shard_size": 2})
+SAME_LAYOUT_RTOL = 1e-6
+OTHER_LAYOUT_RTOL = 2e-5
+
+
+def _checkpoints(every: dict[str, int], out: Path) -> dict[str, Any]:
+    return {"dirpath": str(out / "checkpoints"), "save_top_k": -1, "filename": "{step}", **every}
+
+
+def _batches(records: list[Record]) -> list[tuple[float, list[int]]]:
+    """Per training batch: the logged loss, and the ids of every sample it held across the data-parallel ranks
+    (one record per batch rank: TP/CP/PP ranks of a replica see the same samples)."""
+    replicas = list({record["batch_rank"]: record for record in records}.values())
+    return [(batch["train_loss"], sorted(i for replica in replicas for i in replica["steps"][index]["sample_ids"]))
+            for index, batch in enumerate(records[0]["steps"])]
+
+
+def _assert_resumed_tail(full: list[Record], resumed: list[Record], batches_after: int, rtol: float) -> None:
+    expected, got = _batches(full)[-batches_after:], _batches(resumed)
+    assert len(got) == batches_after
+    for index, ((loss, ids), (resumed_loss, resumed_ids)) in enumerate(zip(expected, got)):
+        assert resumed_ids == ids, f"resumed batch {index}: samples {resumed_ids}, uninterrupted {ids}"
+        assert resumed_loss == pytest.approx(loss, rel=rtol), f"resumed batch {index}"
+
+
+def _assert_each_epoch_sees_every_sample_once(records: list[Record], samples: int) -> None:
+    ids = [i for _, batch in _batches(records) for i in batch]
+    for start in range(0, len(ids), samples):
+        assert sorted(ids[start : start + samples]) == list(range(samples))
+
+
+def test_epoch_end_and_mid_epoch_checkpoints_resume_exactly(tmp_path: Path, test_env: dict[str, str]) -> None:
+    at_epoch_end = replace(DP2, model_checkpoint=_checkpoints({"every_n_epochs": 1}, tmp_path / "epochs"))
+    full = launch(2, at_epoch_end, tmp_path / "epochs", test_env)
+    _assert_each_epoch_sees_every_sample_once(full, DP2.samples)
+    resumed = launch(2, replace(DP2, resume_from=str(tmp_path / "epochs/checkpoints/step=4.ckpt")),
+                     tmp_path / "epochs_resumed", test_env)
+    _assert_resumed_tail(full, resumed, batches_after=4, rtol=SAME_LAYOUT_RTOL)
+
+    # Accumulating 2 batches a step: step 3 is batch 6 of the epoch's 8.
+    accumulating = replace(DP2, samples=64, accumulate=2)
+    full = launch(2, replace(accumulating, model_checkpoint=_checkpoints({"every_n_train_steps": 3},
+                                                                         tmp_path / "steps")),
+                  tmp_path / "steps", test_env)
+    _assert_each_epoch_sees_every_sample_once(full, 64)
+    resumed = launch(2, replace(accumulating, resume_from=str(tmp_path / "steps/checkpoints/step=3.ckpt")),
+                     tmp_path / "steps_resumed", test_env)
+    _assert_resumed_tail(full, resumed, batches_after=10, rtol=SAME_LAYOUT_RTOL)
+
+
+def _layout(dp: int, batch_size: int, **strategy: Any) -> dict[str, Any]:
+    return {"batch_size": batch_size, "strategy": {"data_parallel_shard_size": dp, **strategy}}
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> dict[str, Any]:
+    """A dp2 run checkpointed at its first epoch's end (step 4), a dp4 run mid-epoch (step 3)."""
+    out = tmp_path_factory.mktemp("elastic")
+    dp2 = launch(2, replace(DP2, model_checkpoint=_checkpoints({"every_n_epochs": 1}, out / "dp2")), out / "dp2",
+                 test_env)
+    dp4 = launch(4, replace(DP2, **_layout(4, 2), model_checkpoint=_checkpoints({"every_n_train_steps": 3},
+                                                                                    out / "dp4")),
+                 out / "dp4", test_env)
+    return {"dp2": (dp2, out / "dp2/checkpoints/step=4.ckpt", 4), "dp4": (dp4, out / "dp4/checkpoints/step=3.ckpt", 5)}
+
+
+@pytest.mark.parametrize(("saved", "layout"), [
+    ("dp2", _layout(4, 2)),
+    ("dp2", _layout(2, 4, pipeline_parallel_size=2, pipeline_microbatches=2)),
+    ("dp4", _layout(2, 4)),
+    ("dp4", _layout(2, 4, tensor_parallel_size=2)),
+], ids=["dp2-to-dp4", "dp2-to-pp2xdp2", "dp4-to-dp2", "dp4-to-dp2xtp2"])
+def test_another_data_parallel_layout_continues_with_the_same_samples(saved: str, layout: dict[str, Any],
+                                                                       saved_runs: dict[str, Any], tmp_path: Path,
+                                                                       test_env: dict[str, str]) -> None:
+    full, checkpoint, batches_after = saved_runs[saved]
+    degrees = layout["strategy"]
+    processes = math.prod(degrees.get(name, 1) for name in ("data_parallel_shard_size", "tensor_parallel_size",
+                                                            "pipeline_parallel_size"))
+    resumed = launch(processes, replace(DP2, **layout, resume_from=str(checkpoint)), tmp_path, test_env)
+    _assert_resumed_tail(full, resumed, batches_after=batches_after, rtol=OTHER_LAYOUT_RTOL)
+
+
+def test_a_position_that_is_no_whole_number_of_global_batches_fails_on_every_rank(
+        saved_runs: dict[str, Any], tmp_path: Path, test_env: dict[str, str]) -> None:
+    _, checkpoint, _ = saved_runs["dp4"]  # 24 samples in: 2 ranks x 5 do not divide it
+    before = sorted(p.name for p in checkpoint.parent.iterdir())
+    with pytest.raises(AssertionError) as failure:
+        launch(2, replace(DP2, batch_size=5, resume_from=str(checkpoint)), tmp_path, test_env)
+    for rank in (0, 1):
+        assert (f"\nrank{rank}: ValueError: The checkpoint stopped after 24 samples of epoch 0, not a whole number "
+                "of this run's global batches of 10 samples (2 ranks x 5") in str(failure.value)
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == before
+    assert not (tmp_path / "checkpoints").exists()
