@@ -57,3 +57,22 @@ def test_a_loader_without_a_position_refuses_another_degree_and_names_both() -> 
     assert _resume(stream, saved_degree=2, degree=2) is stream  # the same degree resumes as Lightning defines
     stateful = DataLoader(_StatefulStream(), batch_size=2)
     assert _resume(stateful, saved_degree=2, degree=4) is stateful  # its own state_dict is its position
+
+
+def _trained_epochs(drop_last: bool) -> list[tuple[int, int]]:
+    """The position after each of 8 batches of 30 samples on rank 0 of 2, 4 per rank."""
+    sampler = DistributedSampler(range(30), num_replicas=2, rank=0, shuffle=True, seed=7)
+    position = TrainingPosition()
+    position.process(DataLoader(range(30), batch_size=4, sampler=sampler, drop_last=drop_last), training=True,
+                     data_parallel=2)
+    positions = []
+    for _ in range(8):
+        position.batch_started()
+        positions.append(position.current())
+    return positions
+
+
+def test_an_epoch_ends_after_its_last_batch_with_or_without_drop_last() -> None:
+    # 15 samples per rank: 4 batches (the last of 3), or 3 with drop_last.
+    assert _trained_epochs(drop_last=False)[:5] == [(0, 8), (0, 16), (0, 24), (1, 0), (1, 8)]
+    assert _trained_epochs(drop_last=True)[:4] == [(0, 8), (0, 16), (1, 0), (1, 8)]

@@ -112,6 +112,7 @@ class TrainingPosition:
         self._sampler: ResumableSampler | None = None
         self._batch_size = 0
         self._data_parallel = 1
+        self._epoch_samples = 0
         self._epoch = 0
         self._samples = 0  # of ``_epoch``, trained on by every rank together
         self._loaded: dict[str, Any] | None = None
@@ -125,13 +126,16 @@ class TrainingPosition:
         if not training:
             return dataloader
         self._data_parallel = data_parallel
-        resumable = resumable_loader(dataloader, self._position) if isinstance(dataloader, DataLoader) else None
+        resumable = resumable_loader(dataloader, self.current) if isinstance(dataloader, DataLoader) else None
         loaded, self._loaded = self._loaded, None
         if resumable is None:
             if loaded is not None:
                 _check_position_kept(dataloader, loaded["data_parallel"], data_parallel)
             return dataloader
         self._sampler, self._batch_size = resumable.sampler, resumable.batch_size
+        # The samples an epoch trains on, all ranks together: a loader with drop_last leaves each rank's tail out.
+        batches = len(self._sampler) // self._batch_size if resumable.drop_last else len(resumable)
+        self._epoch_samples = batches * self._global_batch
         if loaded is not None and loaded["sampler"] is not None:
             self._resume(SamplerPosition(**loaded["sampler"]))
         return resumable
@@ -141,7 +145,7 @@ class TrainingPosition:
         if self._sampler is None:
             return
         self._samples += self._global_batch
-        if self._samples >= self._sampler.total_size:
+        if self._samples >= self._epoch_samples:
             self._epoch, self._samples = self._epoch + 1, 0
 
     def save(self, checkpoint: dict[str, Any]) -> None:
@@ -155,7 +159,8 @@ class TrainingPosition:
         """Keep the loaded checkpoint's position for the training loader Lightning builds next."""
         self._loaded = checkpoint.get(self.CHECKPOINT_KEY)
 
-    def _position(self) -> tuple[int, int]:
+    def current(self) -> tuple[int, int]:
+        """(epoch, samples of it trained on by all ranks): where the next training iterator starts."""
         return self._epoch, self._samples
 
     def _resume(self, position: SamplerPosition) -> None:

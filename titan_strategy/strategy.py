@@ -20,7 +20,6 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
-from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from typing_extensions import override
 
@@ -334,8 +333,8 @@ class TitanStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return self._training_position.process(dataloader, training=self.lightning_module.trainer.training,
-                                               data_parallel=self.distributed_sampler_kwargs["num_replicas"])
+        return self._training_position.process(dataloader, self.lightning_module.trainer.training,
+                                               data_parallel=self.device_mesh["batch"].size())
 
     @override
     def model_to_device(self) -> None:
@@ -361,7 +360,7 @@ class TitanStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None,
-               reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
+               reduce_op: dist.ReduceOp | str | None = "mean") -> Tensor | Any:
         """Over the ``loss`` mesh by default (each rank a distinct share of the batch), not the world: that
         would count a sample once per TP/PP rank."""
         if not isinstance(tensor, Tensor):
@@ -374,7 +373,7 @@ class TitanStrategy(ParallelStrategy):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Agree over *every* rank (ModelCheckpoint, EarlyStopping): ``reduce`` alone spans only the ``loss`` mesh."""
         votes = self.reduce(torch.tensor(int(decision), device=self.root_device), group=dist.group.WORLD,
-                            reduce_op=ReduceOp.SUM)
+                            reduce_op=dist.ReduceOp.SUM)
         return bool(votes == self.world_size) if all else bool(votes)
 
     # ---- checkpoints ------------------------------------------------------------------------------
@@ -416,10 +415,9 @@ class TitanStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
                         storage_options: Any | None = None) -> None:
-        trainer = self.lightning_module.trainer
         self._training_position.save(checkpoint)
         self.checkpoint_io.save_checkpoint(checkpoint, self.broadcast(str(filepath)), storage_options)
-        if trainer.state.status != TrainerStatus.RUNNING:  # after a run nothing would flush it before the process ends
+        if self.lightning_module.trainer.state.status != TrainerStatus.RUNNING:  # else nothing flushes it at the end
             self.checkpoint_io.flush()
 
     @override
