@@ -176,7 +176,8 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
     for step, batch in enumerate(_loader(row, module.config.vocab_size), start=1):
         inputs, labels = batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = loss_fn(model(inputs), labels)
+            loss_sum, num_tokens = loss_fn(model(inputs), labels)
+        loss = loss_sum / num_tokens.clamp(min=1)
         loss.backward()
         clip_grad_norm_(list(model.parameters()), max_norm=1.0)
         optimizer.step()

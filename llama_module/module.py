@@ -8,7 +8,6 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from llama_module.args import LlamaConfig, get_flavor
@@ -16,6 +15,7 @@ from llama_module.model import Llama, check_attention_kernel
 from llama_module.plan import llama_plan
 from titan_strategy import ParallelPlan, log_step_metric
 from titan_strategy.kernels import ADAMW_KERNELS, build_adamw, check_flash_attention4
+from titan_strategy.token_loss import TokenLoss, token_cross_entropy, token_mean
 
 __all__ = ["LlamaModule"]
 
@@ -97,28 +97,32 @@ class LlamaModule(L.LightningModule):
         assert self.model is not None, "configure_model() builds the model"
         return self.model(input_ids)
 
-    def compute_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """Mean next-token cross-entropy over the batch's tokens (labels of -100 are ignored)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100)
+    def compute_loss(self, logits: Tensor, labels: Tensor) -> TokenLoss:
+        """Next-token cross-entropy summed over the labelled tokens, and their count (labels of -100 are ignored)."""
+        return token_cross_entropy(logits, labels)
 
-    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> TokenLoss:
         """TitanStrategy's hook under pipeline parallelism: the loss of one microbatch, from the last stage's output."""
         return self.compute_loss(output, target)
+
+    def _mean_loss(self, batch: Batch) -> Tensor:
+        # The mean over every labelled token of the global batch (and, in training, of the accumulation window).
+        return token_mean(self, *self.compute_loss(self(batch["input_ids"]), batch["labels"]))
 
     def flops_per_token(self, seq_len: int) -> int:
         """Model FLOPs of training on one token, what the ``Throughput`` callback's MFU counts (see ``LlamaConfig``)."""
         return self.config.flops_per_token(seq_len)
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
+        loss = self._mean_loss(batch)
         self.log_loss("train", loss)
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        self.log_loss("val", self.compute_loss(self(batch["input_ids"]), batch["labels"]))
+        self.log_loss("val", self._mean_loss(batch))
 
     def test_step(self, batch: Batch, batch_idx: int) -> None:
-        self.log_loss("test", self.compute_loss(self(batch["input_ids"]), batch["labels"]))
+        self.log_loss("test", self._mean_loss(batch))
 
     def log_loss(self, stage: str, loss: Tensor) -> None:
         """Log a step's loss as ``{stage}_loss``: in training every step (progress bar ``loss``), else per epoch.

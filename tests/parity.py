@@ -21,19 +21,21 @@ ReferenceRun = Callable[[RunSpec], Record]  # the ``reference_run`` fixture
 STEPS = 10
 GLOBAL_BATCH = 8
 RTOL = 1e-5
-# 10 steps of the global batch, clipped at 1.0: the single-process run most parallel runs match.
-BASE_RUN = RunSpec(steps=STEPS, batch_size=GLOBAL_BATCH, clip=1.0)
+# 10 steps of the global batch, clipped at 1.0: the single-process run most parallel runs match. Its labels
+# end in uneven tails of -100, so every run that matches it weights each token, not each rank's or microbatch's
+# mean, the same as one process.
+BASE_RUN = RunSpec(steps=STEPS, batch_size=GLOBAL_BATCH, clip=1.0, padded_labels=True)
 # Trains, validates at steps 5 and 10, then runs trainer.test and trainer.predict (see assert_full_run_matches).
 FULL_RUN = dataclasses.replace(BASE_RUN, validate=True, val_every=5, evaluate=True)
 
 
 def series(record: Record, key: str, accumulate: int = 1) -> list[float]:
-    """One value of ``key`` (``train_loss`` or ``grad_norm``) per optimizer step (the micro-batch losses of an
-    accumulation window are averaged)."""
+    """One value of ``key`` (``train_loss`` or ``grad_norm``) per optimizer step (the loss logged by an accumulation
+    window's last batch is the window's)."""
     values = [step[key] for step in record["steps"] if key in step]
     if key == "grad_norm":  # recorded only on batches that ended with an optimizer step
         return values
-    return [sum(values[i : i + accumulate]) / accumulate for i in range(0, len(values), accumulate)]
+    return values[accumulate - 1 :: accumulate]
 
 
 def assert_close_per_step(actual: list[float], expected: list[float], rtol: float = RTOL) -> None:

@@ -41,6 +41,7 @@ class RunSpec:
     data: Literal["affine", "text"] = "affine"  # AffineSequences, or TextDataModule's offline corpus
     seq_len: int = 32
     samples: int = 512  # training sequences (affine data)
+    padded_labels: bool = False  # uneven tails of -100 labels (AffineSequences(padded=True)), train and eval
     record_sample_ids: bool = False  # record which samples each batch held ("sample_ids" of each step's record)
 
     # The loop.

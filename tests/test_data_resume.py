@@ -17,7 +17,7 @@ from tests.run_spec import RunSpec
 pytestmark = pytest.mark.multiprocess
 
 # 32 samples at a global batch of 8: an epoch is 4 batches, so 8 steps cross one epoch boundary.
-DP2 = RunSpec(steps=8, batch_size=4, samples=32, clip=1.0, record_sample_ids=True,
+DP2 = RunSpec(steps=8, batch_size=4, samples=32, clip=1.0, record_sample_ids=True, padded_labels=True,
               strategy={"data_parallel_shard_size": 2})
 SAME_LAYOUT_RTOL = 1e-6
 OTHER_LAYOUT_RTOL = 2e-5

@@ -43,10 +43,16 @@ TINY = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, 
 
 
 class AffineSequences(Dataset):
-    """Learnable, deterministic sequences: token[t+1] = (5 * token[t] + 3) mod vocab, random starts."""
+    """Learnable, deterministic sequences: token[t+1] = (5 * token[t] + 3) mod vocab, random starts.
 
-    def __init__(self, count: int, seq_len: int, vocab: int, seed: int = 1234, with_ids: bool = False) -> None:
+    With ``padded`` the labels of sample i end in a tail of (11 i mod 3/4 of seq_len) labels of -100, so the
+    samples of a batch, and the ranks and microbatches that split it, hold uneven numbers of labelled tokens.
+    """
+
+    def __init__(self, count: int, seq_len: int, vocab: int, seed: int = 1234, with_ids: bool = False,
+                 padded: bool = False) -> None:
         self.with_ids = with_ids  # each sample also carries its index, "sample_id", for tests that check the order
+        self.padded = padded
         starts = torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed))
         tokens = [starts]
         for _ in range(seq_len):
@@ -58,7 +64,10 @@ class AffineSequences(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         window = self.tokens[index]
-        sample = {"input_ids": window[:-1], "labels": window[1:]}
+        labels = window[1:].clone()
+        if self.padded:
+            labels[len(labels) - (11 * index) % (3 * len(labels) // 4):] = -100
+        sample = {"input_ids": window[:-1], "labels": labels}
         return {**sample, "sample_id": torch.tensor(index)} if self.with_ids else sample
 
 
@@ -99,7 +108,8 @@ def _pipeline_runner(trainer: L.Trainer) -> Any:
 
 def _evaluate(trainer: L.Trainer, model: L.LightningModule, spec: RunSpec) -> dict[str, Any]:
     """trainer.test and trainer.predict after fit, on the validation sequences."""
-    loader = DataLoader(AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99), batch_size=spec.batch_size)
+    loader = DataLoader(AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99, padded=spec.padded_labels),
+                        batch_size=spec.batch_size)
     [tested] = trainer.test(model, dataloaders=loader, verbose=False)
     predictions = trainer.predict(model, dataloaders=loader)
     return {"test_loss": tested["test_loss"],
@@ -315,9 +325,11 @@ def main(spec: RunSpec, out_dir: Path) -> None:
     else:
         n_layers = TINY.n_layers if spec.n_layers is None else spec.n_layers
         model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "n_layers": n_layers, **spec.model}), **model_args)
-        samples = AffineSequences(spec.samples, spec.seq_len, TINY.vocab_size, with_ids=spec.record_sample_ids)
+        samples = AffineSequences(spec.samples, spec.seq_len, TINY.vocab_size, with_ids=spec.record_sample_ids,
+                                  padded=spec.padded_labels)
         loader = DataLoader(samples, batch_size=spec.batch_size)
-        val_loader = DataLoader(AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99), batch_size=spec.batch_size)
+        val_loader = DataLoader(AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99, padded=spec.padded_labels),
+                                batch_size=spec.batch_size)
         trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.resume_from)
     result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
               "hook_calls": recorder.hook_calls,

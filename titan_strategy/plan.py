@@ -127,8 +127,9 @@ class ParallelPlan:
 class PlannedModule(Protocol):
     """A LightningModule that lets TitanStrategy parallelize it (see ``llama_module.LlamaModule``).
 
-    Under pipeline parallelism it may also define ``pipeline_loss(output, target) -> Tensor``, the
-    mean loss of one microbatch (default: token cross-entropy that ignores label -100).
+    Under pipeline parallelism it may also define ``pipeline_loss(output, target)``, the loss of one
+    microbatch: ``(loss_sum, num_tokens)``, which the strategy turns into the step's token mean, or a plain
+    mean (default: ``token_loss.token_cross_entropy``, which ignores label -100).
     """
 
     def parallel_plan(self) -> ParallelPlan: ...

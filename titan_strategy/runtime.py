@@ -1,9 +1,9 @@
 """What happens at every step for the techniques ``parallelize`` applied.
 
 The runtime owns the step and backward contexts (loss parallel, ring attention, sequence sharding), the
-pipeline's train, eval and predict steps, the work after each optimizer step (float8 scales), and the loss
-handed back to Lightning. ``TitanStrategy``'s hooks only delegate here, so a new technique touches its own
-module, its plan entry and this file, never the strategy.
+pipeline's train, eval and predict steps, the token-weighted loss (``token_loss``), the work after each
+optimizer step (float8 scales), and the loss handed back to Lightning. ``TitanStrategy``'s hooks only
+delegate here, so a new technique touches its own module, its plan entry and this file, never the strategy.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from titan_strategy.parallelize.tensor_parallel import (
 from titan_strategy.pipeline.layout import PipelineLayout
 from titan_strategy.pipeline.runner import PipelineRunner
 from titan_strategy.plan import ParallelPlan
+from titan_strategy.token_loss import TokenWeighting
 
 __all__ = ["ParallelRuntime", "Stage"]
 
@@ -51,6 +52,9 @@ class ParallelRuntime:
         sharder: cuts each batch to this rank's tokens under CP; None without.
         pipeline: runs the schedule under PP; None without.
         float8_all_gather: tensorwise float8 weights are all-gathered, so their scales are precomputed.
+        token_weighting: sums and counts of labelled tokens over the ``loss`` mesh (``token_mean``).
+        averaged_over: what a step's loss averages over besides accumulated batches (ranks, microbatches; ""
+            for nothing), for the warning about plain means.
     """
 
     plan: ParallelPlan
@@ -62,6 +66,8 @@ class ParallelRuntime:
     sharder: SequenceSharder | None
     pipeline: PipelineRunner | None
     float8_all_gather: bool
+    token_weighting: TokenWeighting
+    averaged_over: str
 
     @property
     def grad_norm_group(self) -> ProcessGroup | None:
@@ -73,11 +79,15 @@ class ParallelRuntime:
     def step(self, module: pl.LightningModule, stage: Stage, module_step: StepFn, args: tuple, kwargs: dict) -> Any:
         """One training, validation or test step: the module's own, or under PP the schedule's."""
         step = self._pipeline_step(module, stage) if self.pipeline is not None else module_step
-        with self._sequence_shards(args) as args:
-            if not self.loss_parallel:
-                return step(*args, **kwargs)
-            with loss_parallel_context(True), logging_local_values(module):
-                output = step(*args, **kwargs)
+        with self._sequence_shards(args) as local_args, ExitStack() as contexts:
+            if self.loss_parallel:
+                contexts.enter_context(loss_parallel_context(True))
+                contexts.enter_context(logging_local_values(module))
+            output = step(*local_args, **kwargs)
+        if stage == "train" and self.pipeline is None:
+            self._warn_about_plain_means(module, args)
+        if not self.loss_parallel:
+            return output
         if isinstance(output, Mapping) and "loss" in output:
             return {**output, "loss": as_local_loss(output["loss"])}
         return as_local_loss(output)
@@ -102,15 +112,31 @@ class ParallelRuntime:
         assert pipeline is not None and plan is not None
 
         def step(batch: Any, *args: Any, **kwargs: Any) -> Tensor:
+            accumulate = module.trainer.accumulate_grad_batches if stage == "train" else 1
+            loss = pipeline.train_step(batch, accumulate=accumulate) if stage == "train" else pipeline.eval_step(batch)
+            if loss.num_tokens is None:  # a pipeline_loss of plain means
+                mean = (loss.total * accumulate).float()
+                if stage == "train":
+                    self.token_weighting.mean_warning.observe(batch, self.averaged_over, _progress_bar_step(module))
+            else:
+                mean = self.token_weighting.pipeline_mean(loss.total, loss.num_tokens, training=stage == "train",
+                                                          accumulate=accumulate,
+                                                          microbatches=pipeline.layout.microbatches)
+            plan.log_loss(stage, mean)
             if stage != "train":
-                loss = pipeline.eval_step(batch)
-                plan.log_loss(stage, loss)
-                return loss
-            loss = pipeline.train_step(batch, accumulate=module.trainer.accumulate_grad_batches)
-            plan.log_loss(stage, loss)
-            return _GradientsOnBackward.apply(loss, torch.ones((), device=loss.device, requires_grad=True), pipeline)
+                return mean
+            return _GradientsOnBackward.apply(mean, torch.ones((), device=mean.device, requires_grad=True), pipeline)
 
         return step
+
+    def _warn_about_plain_means(self, module: pl.LightningModule, args: tuple) -> None:
+        """A module that does not hand over its token sums (``token_mean``) is watched for padded labels where
+        several means are averaged."""
+        accumulate = module.trainer.accumulate_grad_batches
+        averaged_over = ", ".join(filter(None, [self.averaged_over, f"{accumulate} accumulated batches"
+                                                if accumulate > 1 else ""]))
+        if args and averaged_over and not self.token_weighting.in_use:
+            self.token_weighting.mean_warning.observe(args[0], averaged_over, _progress_bar_step(module))
 
     @contextmanager
     def _sequence_shards(self, args: tuple) -> Generator[tuple, None, None]:
@@ -141,6 +167,17 @@ class ParallelRuntime:
                 stack.enter_context(ring_attention(self.sharder.rotate_method))
             yield
 
+    def weighted_closure(self, closure: Callable[[], Any], optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+        """Lightning's closure for the step's last batch, then the window's gradients made those of its token
+        mean; clipping and ``on_before_optimizer_step`` come after."""
+
+        def run() -> Any:
+            output = closure()
+            self.token_weighting.finish_window(p for group in optimizer.param_groups for p in group["params"])
+            return output
+
+        return run
+
     def after_optimizer_step(self) -> None:
         if self.float8_all_gather:
             # The float8 all-gather reads each weight's scale; computing them all at once here is one
@@ -151,6 +188,11 @@ class ParallelRuntime:
         """After validation, test or predict: the pipeline's stage copies go back to the mode they had."""
         if self.pipeline is not None:
             self.pipeline.end_evaluation()
+
+
+def _progress_bar_step(module: pl.LightningModule) -> bool:
+    trainer = module.trainer
+    return trainer.global_step % trainer.log_every_n_steps == 0
 
 
 class _GradientsOnBackward(torch.autograd.Function):

@@ -326,9 +326,10 @@ class TitanStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.runtime is not None:
-            self.runtime.after_optimizer_step()
+        if self.runtime is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        output = super().optimizer_step(optimizer, self.runtime.weighted_closure(closure, optimizer), model, **kwargs)
+        self.runtime.after_optimizer_step()
         return output
 
     @override

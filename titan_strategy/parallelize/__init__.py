@@ -16,10 +16,11 @@ from titan_strategy.parallelize.fsdp import apply_fsdp, fsdp_wraps
 from titan_strategy.parallelize.materialize import materialize
 from titan_strategy.parallelize.tensor_parallel import apply_tp, check_tp_plan
 from titan_strategy.pipeline.layout import PipelineLayout
-from titan_strategy.pipeline.runner import LossFn, PipelineRunner, token_cross_entropy
+from titan_strategy.pipeline.runner import LossFn, PipelineRunner
 from titan_strategy.pipeline.split import has_submodule, split_for_rank, stage_module_names
 from titan_strategy.plan import ParallelPlan
 from titan_strategy.runtime import ParallelRuntime
+from titan_strategy.token_loss import TokenWeighting, token_cross_entropy
 
 if TYPE_CHECKING:
     from titan_strategy.config import TitanConfig
@@ -65,7 +66,7 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
     """Parallelize ``plan.model`` in place (it is on the meta device), materialize it, and return its runtime.
 
     ``param_dtype``/``reduce_dtype`` are FSDP's mixed precision; ``pipeline_loss`` is the loss of one
-    microbatch under PP (default: token cross-entropy ignoring -100).
+    microbatch under PP (default: ``token_cross_entropy``, summed over the tokens not labelled -100).
 
     Order matters: the pipeline split first, on the meta model, so each stage keeps the full
     model's parameter names; float8 next, since it swaps the linear modules that every later step
@@ -130,8 +131,19 @@ def _runtime(plan: ParallelPlan, parts: list[nn.Module], layout: PipelineLayout 
         pipeline = PipelineRunner(plan.model, parts, layout, config.pipeline, plan.pipeline,
                                   pipeline_loss or token_cross_entropy, mesh["pp"], device)
     tp = config.tensor_parallel
+    # FSDP averages each gradient over the loss mesh's ranks (data-parallel x context-parallel).
+    loss_mesh = mesh["loss"]
+    weighting = TokenWeighting(loss_mesh.get_group() if loss_mesh.size() > 1 else None, loss_mesh.size())
     return ParallelRuntime(
         plan=plan, parts=parts, layout=layout, sharded=sharded, loss_parallel=dims.tp > 1 and tp.loss_parallel,
         sequence_parallel_tp=dims.tp if dims.tp > 1 and tp.sequence_parallel else 1, sharder=sharder,
         pipeline=pipeline, float8_all_gather=config.float8.recipe == "tensorwise" and sharded,
+        token_weighting=weighting, averaged_over=_averaged_over(dims),
     )
+
+
+def _averaged_over(dims: ParallelDims) -> str:
+    parts = [f"{dims.batch_size} data-parallel ranks" if dims.batch_size > 1 else "",
+             f"{dims.cp} context-parallel ranks" if dims.cp > 1 else "",
+             "pipeline microbatches" if dims.pp > 1 else ""]
+    return ", ".join(filter(None, parts))

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -23,17 +22,21 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from titan_strategy.parallelize.tensor_parallel import as_local_loss
 from titan_strategy.pipeline.layout import PipelineConfig, PipelineLayout, check_microbatch_split
 from titan_strategy.plan import PipelinePlan
+from titan_strategy.token_loss import TokenLoss
 
-__all__ = ["PipelineRunner", "LossFn", "token_cross_entropy"]
+__all__ = ["PipelineLoss", "PipelineRunner", "LossFn"]
 
 log = logging.getLogger(__name__)
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
+LossFn = Callable[[Tensor, Tensor], "Tensor | TokenLoss"]
 
 
-def token_cross_entropy(output: Tensor, target: Tensor) -> Tensor:
-    """The default ``pipeline_loss``: mean next-token cross-entropy over (batch, seq) logits, ignoring -100."""
-    return F.cross_entropy(output.flatten(0, 1).float(), target.flatten(0, 1), ignore_index=-100)
+class PipelineLoss(NamedTuple):
+    """A Lightning batch's loss, equal on every pp rank: the sum of its microbatches' token loss sums and their
+    token count; or, from a ``pipeline_loss`` of plain means, their scaled sum and None."""
+
+    total: Tensor
+    num_tokens: Tensor | None
 
 
 class _Stage(PipelineStage):
@@ -113,7 +116,8 @@ class PipelineRunner:
         layout: the resolved pipeline layout.
         config: the pipeline knobs (the schedule name).
         plan: the model's pipeline plan (how a batch splits into stage input and loss target).
-        loss_fn: mean loss of one microbatch, ``(last stage output, target) -> scalar``.
+        loss_fn: the loss of one microbatch, ``(last stage output, target) -> (loss_sum, num_tokens)``
+            (``token_loss``), or its mean.
         pp_mesh: the ``pp`` mesh dim; its group carries the stage-to-stage traffic.
         device: where activations live.
     """
@@ -137,6 +141,9 @@ class PipelineRunner:
         self._view_containers = [m for part in stage_modules for m in part.modules() if id(m) not in registered]
         self._mode_before_eval: list[bool] | None = None
         self._loss_scale = 1.0
+        # Per loss call on the last stage: (what backward ran on, the unscaled sum and count, or the scaled mean).
+        self._loss_calls: list[tuple[Tensor, tuple[Tensor, Tensor | None]]] = []
+        self._token_sums: bool | None = None  # whether loss_fn returns token sums, known after the first batch
         self._set_aside: list[tuple[nn.Parameter, Tensor]] = []
         self._schedule = self._build_schedule(config.schedule, stage_ids)
         self._forward_only = _ForwardPipeline(stage_modules, stage_ids, layout, self.group, device)
@@ -154,27 +161,41 @@ class PipelineRunner:
                             scale_grads=False)
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return as_local_loss(self._loss_fn(output, target)) * self._loss_scale
+        """What the schedule runs backward on: the microbatch's loss (its token sum, or its mean) scaled by
+        ``_loss_scale``; the unscaled sum and count, or the scaled mean, are kept for the batch's loss."""
+        loss = self._loss_fn(output, target)
+        if isinstance(loss, tuple):
+            loss_sum, num_tokens = as_local_loss(loss[0]), loss[1]
+            scaled = loss_sum * self._loss_scale
+            self._loss_calls.append((scaled, (loss_sum.detach(), num_tokens)))
+        else:
+            scaled = as_local_loss(loss) * self._loss_scale
+            self._loss_calls.append((scaled, (scaled.detach(), None)))
+        return scaled
 
     # ---- steps ------------------------------------------------------------------------------------
 
-    def train_step(self, batch: Any, *, accumulate: int) -> Tensor:
-        """Forward and backward of one Lightning batch; returns its mean loss, equal on every pp rank.
+    def train_step(self, batch: Any, *, accumulate: int) -> PipelineLoss:
+        """Forward and backward of one Lightning batch.
 
-        Gradients come out as ``accumulate`` Lightning batches of the unpipelined model would make
-        them: each microbatch loss is divided by (microbatches x accumulate). The strategy has
-        released the last window's gradients before the window's first batch.
+        Each microbatch loss is divided by (microbatches x accumulate): for means, gradients come out as
+        ``accumulate`` Lightning batches of the unpipelined model would make them; for token sums, the
+        runtime's ``TokenWeighting`` rescales them to the window's token mean. The strategy has released the
+        last window's gradients before the window's first batch.
         """
         self._set_view_mode(training=True)
         inputs, target = self._split(batch)
         self._loss_scale = 1.0 / (self.layout.microbatches * accumulate)
-        losses: list[Tensor] = []
         args = (inputs,) if self._holds_first else ()
+        losses: list[Tensor] = []
         self._schedule.step(*args, **({"target": target, "losses": losses} if self._holds_last else {}))
         self._set_aside = [(p, p.grad) for p in self._parameters if p.grad is not None]
         for param, _ in self._set_aside:
             param.grad = None
-        return self._broadcast_loss(losses) * accumulate
+        # torch 2.13 also calls the loss function on its first step, on placeholder outputs, to infer gradient
+        # shapes: only the calls whose losses the schedule returns count.
+        returned = [kept for scaled, kept in self._loss_calls if any(scaled is loss for loss in losses)]
+        return self._broadcast_loss(returned)
 
     def restore_gradients(self) -> None:
         """Give back the gradients ``train_step`` set aside (called from the strategy's backward)."""
@@ -183,14 +204,16 @@ class PipelineRunner:
         self._set_aside = []
 
     @torch.no_grad()
-    def eval_step(self, batch: Any) -> Tensor:
-        """Forward only; returns the batch's mean loss, equal on every pp rank."""
+    def eval_step(self, batch: Any) -> PipelineLoss:
+        """Forward only: the batch's loss."""
         self._enter_evaluation()
         inputs, target = self._split(batch)
         self._loss_scale = 1.0 / self.layout.microbatches
         outputs = self._forward_only.run(inputs if self._holds_first else None)
         targets = target.tensor_split(self.layout.microbatches) if self._holds_last else []
-        return self._broadcast_loss([self._scaled_loss(out, tgt) for out, tgt in zip(outputs, targets)])
+        for output, microbatch_target in zip(outputs, targets):
+            self._scaled_loss(output, microbatch_target)
+        return self._broadcast_loss([kept for _, kept in self._loss_calls])
 
     @torch.no_grad()
     def predict_step(self, batch: Any) -> Tensor:
@@ -206,13 +229,22 @@ class PipelineRunner:
         check_microbatch_split(inputs.shape[0], self.layout.microbatches)
         return inputs, target
 
-    def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
-        """Sum of the (already scaled) microbatch losses, sent from the last stage to every pp rank."""
-        # fp32 on every rank, whatever dtype the module's loss has: the broadcast needs one buffer layout.
-        total = torch.stack([loss.detach().float() for loss in losses]).sum() if self._holds_last else \
-            torch.zeros((), device=self._device)
-        dist.broadcast(total, group=self.group, group_src=self.layout.ranks[-1])
-        return total
+    def _broadcast_loss(self, losses: list[tuple[Tensor, Tensor | None]]) -> PipelineLoss:
+        """The batch's microbatch losses summed on the last stage, sent to every pp rank."""
+        # (total, tokens, whether they are token sums) in float64 on every rank, whatever dtype the module's
+        # loss has: the broadcast needs one buffer layout, and counts stay exact.
+        buffer = torch.zeros(3, dtype=torch.float64, device=self._device)
+        if self._holds_last:
+            token_sums = losses[0][1] is not None
+            buffer[0] = torch.stack([total.double() for total, _ in losses]).sum()
+            if token_sums:
+                buffer[1] = torch.stack([count.double() for _, count in losses]).sum()
+            buffer[2] = float(token_sums)
+        self._loss_calls = []
+        dist.broadcast(buffer, group=self.group, group_src=self.layout.ranks[-1])
+        if self._token_sums is None:  # one host read per run: the loss function returns one kind
+            self._token_sums = bool(buffer[2])
+        return PipelineLoss(buffer[0], buffer[1] if self._token_sums else None)
 
     def _broadcast_output(self, output: Tensor | None) -> Tensor:
         source = self.layout.ranks[-1]
