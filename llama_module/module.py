@@ -15,7 +15,7 @@ from llama_module.model import Llama, check_attention_kernel
 from llama_module.plan import llama_plan
 from titan_strategy import ParallelPlan, log_step_metric
 from titan_strategy.kernels import ADAMW_KERNELS, build_adamw, check_flash_attention4
-from titan_strategy.token_loss import TokenLoss, token_cross_entropy, token_mean
+from titan_strategy.token_loss import TokenLoss, is_token_weighted, token_cross_entropy, token_mean
 
 __all__ = ["LlamaModule"]
 
@@ -130,10 +130,11 @@ class LlamaModule(L.LightningModule):
         The steps above call it, and so does TitanStrategy under pipeline parallelism, where the schedule runs
         in place of these steps (``parallel_plan`` hands it over).
         """
+        sync_dist = not is_token_weighted(self)  # under TitanStrategy the loss already is every rank's mean
         if stage == "train":
-            log_step_metric(self, "train_loss", loss, bar_name="loss", sync_dist=True)
+            log_step_metric(self, "train_loss", loss, bar_name="loss", sync_dist=sync_dist)
         else:
-            self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
+            self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=sync_dist)
 
     def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
         """Next-token logits (bs, seqlen, vocab_size) of ``batch["input_ids"]``."""

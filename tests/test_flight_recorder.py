@@ -68,7 +68,7 @@ def _analyze(run: Path, capsys: pytest.CaptureFixture[str]) -> str:
                          ids=["dp2", "dp2xtp2"])
 def test_a_skipped_collective_is_named(nproc: int, strategy: dict, skipper: int, tmp_path: Path,
                                        test_env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
-    # The skipped op is the train_loss all-reduce of step 3; the others wait for it in vain.
+    # The skipped op is the all-reduce of step 3's token loss sums; the others wait for it in vain.
     run = _drill(nproc, strategy, {"rank": skipper, "step": 3, "skip": "all_reduce"}, tmp_path, test_env)
     skipped = json.loads((tmp_path / "skipped.json").read_text())
     cause = diagnose(read_dumps(run)).problems[0]

@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
@@ -63,7 +64,11 @@ def _fit(tmp_path: Path, module: LlamaModule, batch_size: int, accumulate: int, 
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[steps_seen], default_root_dir=tmp_path)
     L.seed_everything(0, verbose=False)
-    trainer.fit(module, DataLoader(AffineSequences(64, 32, TINY.vocab_size, padded=True), batch_size=batch_size))
+    try:
+        trainer.fit(module, DataLoader(AffineSequences(64, 32, TINY.vocab_size, padded=True), batch_size=batch_size))
+    finally:  # the strategy's process group of one, which tests that build their own would collide with
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return steps_seen
 
 

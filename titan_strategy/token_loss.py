@@ -35,7 +35,7 @@ from titan_strategy.parallelize.tensor_parallel import as_local_loss
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["IGNORE_INDEX", "TokenLoss", "TokenWeighting", "token_cross_entropy", "token_mean"]
+__all__ = ["IGNORE_INDEX", "TokenLoss", "TokenWeighting", "is_token_weighted", "token_cross_entropy", "token_mean"]
 
 IGNORE_INDEX = -100
 TokenLoss = tuple[Tensor, Tensor]
@@ -64,6 +64,12 @@ def token_mean(module: pl.LightningModule, loss_sum: Tensor, num_tokens: Tensor)
     trainer = module.trainer
     accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
     return weighting.mean(as_local_loss(loss_sum), num_tokens, training=trainer.training, accumulate=accumulate)
+
+
+def is_token_weighted(module: pl.LightningModule) -> bool:
+    """Whether ``token_mean`` gives this module the mean over every rank: its value then needs no ``sync_dist``
+    (which would be one more all-reduce per step)."""
+    return _weighting_of(module) is not None
 
 
 def _weighting_of(module: pl.LightningModule) -> TokenWeighting | None:
