@@ -1,14 +1,14 @@
 """TextDataModule: documents from ``datasets`` -> tokens -> packed (seq_len + 1)-token windows.
 
-Each data-parallel (``batch`` mesh) rank reads a disjoint share of the documents; ranks that only
-split the model (TP/CP/PP) get identical batches. The training stream repeats forever and its
-position (documents read, tokens left over) is saved per rank, so a resumed run sees exactly the
-windows it would have seen.
+Training windows come in one global order that does not depend on the data-parallel layout
+(``window_order.py``): each data-parallel (``batch`` mesh) rank trains on its share of every global
+batch, and ranks that only split the model (TP/CP/PP) get identical batches. The stream repeats
+forever; its position is global, so a resumed run sees exactly the windows it would have seen, on
+any number of data-parallel ranks.
 """
 
 from __future__ import annotations
 
-import collections
 import glob
 import importlib.util
 import json
@@ -23,11 +23,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from llama_module.tokenizer import Tokenizer
+from llama_module.window_order import GlobalWindows, ResumableLoader
 
 if TYPE_CHECKING:  # datasets (with pyarrow and pandas) takes a second to import: done where documents load
     import datasets
 
-__all__ = ["TextDataModule", "PackedWindows", "ResumableLoader", "offline_corpus_texts", "load_documents"]
+__all__ = ["TextDataModule", "PackedWindows", "offline_corpus_texts", "load_documents"]
 
 log = logging.getLogger(__name__)
 
@@ -107,15 +108,23 @@ class PackedWindows(IterableDataset):
         self._epoch = 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        empty_passes = 0  # the first pass may start at a resumed position, the second starts at the top
         while True:
+            windows = 0
             for document in self.documents:
                 self._buffer.extend(self.tokenizer.encode(document[self.text_field], bos=True, eos=True))
                 while len(self._buffer) > self.seq_len:
                     window = torch.tensor(self._buffer[: self.seq_len + 1])
                     del self._buffer[: self.seq_len + 1]
+                    windows += 1
                     yield {"input_ids": window[:-1], "labels": window[1:]}
             if not self.repeat:
                 return
+            empty_passes = 0 if windows else empty_passes + 1
+            if empty_passes == 2:
+                raise ValueError(f"These documents hold fewer than seq_len + 1 = {self.seq_len + 1} tokens in all: "
+                                 "too few for one window. Use a larger corpus, a shorter seq_len or (each slot of "
+                                 "the global batch reads its own share of the corpus) a smaller global batch.")
             # A datasets stream restarts from its last loaded state, not from the top: rewind explicitly.
             self._epoch += 1
             self.documents.load_state_dict(self._start)
@@ -133,35 +142,15 @@ class PackedWindows(IterableDataset):
         self._epoch = state["epoch"]
 
 
-class ResumableLoader(DataLoader):
-    """A single-process DataLoader over ``PackedWindows`` whose position Lightning saves and restores."""
-
-    def __init__(self, dataset: PackedWindows, batch_size: int) -> None:
-        super().__init__(dataset, batch_size=batch_size, num_workers=0)
-        self._positions: collections.deque[dict[str, Any]] = collections.deque([dataset.state_dict()], maxlen=2)
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in super().__iter__():
-            self._positions.append(self.dataset.state_dict())
-            yield batch
-
-    def state_dict(self) -> dict[str, Any]:
-        # Lightning's loop fetches one batch ahead of the one it trains on, so the trained-on
-        # position is the one before the newest batch.
-        return self._positions[0]
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state)
-        self._positions = collections.deque([state], maxlen=2)
-
-
 class TextDataModule(L.LightningDataModule):
     """Packed next-token-prediction batches ``{"input_ids", "labels"}`` of shape (batch_size, seq_len).
 
     Args:
         source: "offline", "c4", or local files (see ``load_documents``).
         seq_len: tokens per sample.
-        batch_size: samples per batch on each data-parallel rank.
+        batch_size: windows per batch on each data-parallel rank. The first run's global batch
+            (``batch_size`` x data-parallel ranks) fixes the order of the training windows for good: a
+            resumed run continues in it on any layout and global batch (``window_order.py``).
         tokenizer: path of a tiktoken BPE file (Llama 3's tokenizer.model); None: the built-in 8k BPE.
         val_source: documents for validation; None: the offline corpus's held-out split, C4's
             validation split, or no validation for local files.
@@ -185,7 +174,7 @@ class TextDataModule(L.LightningDataModule):
         self.text_field = text_field
         self.seed = seed
         self.tokenizer = Tokenizer(tokenizer)
-        self._train: PackedWindows | None = None
+        self._train: GlobalWindows | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -197,20 +186,25 @@ class TextDataModule(L.LightningDataModule):
         kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
         return kwargs.get("rank", 0), kwargs.get("num_replicas", 1)
 
-    def _windows(self, source: str, split: str, repeat: bool) -> PackedWindows:
+    def _share(self, documents: datasets.IterableDataset, share: int, shares: int, repeat: bool) -> PackedWindows:
         from datasets.distributed import split_dataset_by_node
 
-        rank, world = self._data_parallel_rank()
-        documents = split_dataset_by_node(load_documents(source, split, seed=self.seed), rank=rank, world_size=world)
+        documents = split_dataset_by_node(documents, rank=share, world_size=shares)
         return PackedWindows(documents, self.tokenizer, self.seq_len, text_field=self.text_field, repeat=repeat)
+
+    def _windows(self, source: str, split: str, repeat: bool) -> PackedWindows:
+        """This data-parallel rank's share of the documents, packed (validation)."""
+        return self._share(load_documents(source, split, seed=self.seed), *self._data_parallel_rank(), repeat=repeat)
 
     def setup(self, stage: str) -> None:
         if stage == "fit" and self._train is None:
-            self._train = self._windows(self.source, "train", repeat=True)
+            documents = load_documents(self.source, "train", seed=self.seed)
+            self._train = GlobalWindows(lambda lane, lanes: self._share(documents, lane, lanes, repeat=True),
+                                        self.seq_len, self.batch_size, *self._data_parallel_rank())
 
     def train_dataloader(self) -> ResumableLoader:
         assert self._train is not None, "setup('fit') builds the training stream"
-        return ResumableLoader(self._train, self.batch_size)
+        return ResumableLoader(self._train)
 
     def val_dataloader(self) -> DataLoader | list:
         source = self.val_source or self.source

@@ -21,7 +21,8 @@ from titan_strategy import (
     DistributedCheckpointIO,
     TitanStrategy,
 )
-from titan_strategy.checkpoint import read_model_weights
+from titan_strategy.checkpoint import ELASTIC_POSITION_KEY, RankPlace, read_model_weights
+from titan_strategy.checkpoint.dcp import _loader_states
 from titan_strategy.checkpoint.rng import capture_rng_states, restore_rng_states
 
 # 20 steps of text data: a resumed run must also restore each data-parallel rank's position in its stream.
@@ -136,18 +137,34 @@ def test_an_unfinished_checkpoint_is_refused(saved_checkpoint: Path, tmp_path: P
 
 
 @pytest.mark.multiprocess
-def test_resume_with_more_data_parallel_ranks_fails_clearly_on_every_rank(tmp_path: Path,
-                                                                           test_env: dict[str, str]) -> None:
-    # Positions were saved for 2 data-parallel ranks; ranks 2 and 3 have none. All 4 must stop with
-    # the same error (none may wait in a collective for the others).
-    spec = RunSpec(steps=2, batch_size=2, data="text")
+def test_a_per_rank_loader_position_on_more_data_parallel_ranks_fails_clearly_on_every_rank(
+        tmp_path: Path, test_env: dict[str, str]) -> None:
+    # A user's stream saved a position for each of 2 data-parallel ranks; ranks 2 and 3 have none, and none can
+    # be derived. All 4 must stop with the same error (none may wait in a collective for the others).
+    spec = RunSpec(steps=2, batch_size=2, data="rank_stream")
     checkpoint = tmp_path / "dp2.ckpt"
     launch(2, replace(spec, save_at=2, save_path=str(checkpoint)), tmp_path / "dp2", test_env)
     with pytest.raises(AssertionError) as failure:
         launch(4, replace(spec, steps=3, resume_from=str(checkpoint)), tmp_path / "dp4", test_env)
-    for rank in (2, 3):  # the ranks that hold no saved position raise too, instead of hanging
+    for rank in range(4):
         assert f"\nrank{rank}: ValueError: {checkpoint} holds dataloader positions for 2 data-parallel ranks, " \
-               "but this run has 4" in str(failure.value)
+               "but this run has 4, and the loader's position is per rank" in str(failure.value)
+    assert not (tmp_path / "dp4" / "checkpoints").exists()
+
+
+@pytest.mark.unit
+def test_each_rank_gets_its_own_loader_position_or_every_rank_s_global_one() -> None:
+    per_rank, elastic = ({"read": 3}, {"read": 5}), ({ELASTIC_POSITION_KEY: True, "next": 8},) * 2
+    saved = [[per_rank[rank], elastic[rank]] for rank in range(2)]  # two stateful loaders on each of 2 ranks
+    place = RankPlace(rank=3, world_size=4, batch_rank=1, batch_world_size=2)
+    assert _loader_states(saved, place, Path("c.ckpt")) == [
+        {"read": 5}, {ELASTIC_POSITION_KEY: True, "saved_ranks": list(elastic)}]
+    # On another data-parallel degree only the global position can be handed over.
+    elsewhere = RankPlace(rank=0, world_size=4, batch_rank=0, batch_world_size=4)
+    assert _loader_states([[s] for s in elastic], elsewhere, Path("c.ckpt")) == [
+        {ELASTIC_POSITION_KEY: True, "saved_ranks": list(elastic)}]
+    with pytest.raises(ValueError, match="holds dataloader positions for 2 data-parallel ranks, but this run has 4"):
+        _loader_states(saved, elsewhere, Path("c.ckpt"))
 
 
 @pytest.mark.unit

@@ -1,4 +1,4 @@
-"""TextDataModule: packing, per-rank sharding, exact resume, local files."""
+"""TextDataModule: packing, the global window order under any layout, exact and elastic resume, local files."""
 
 from __future__ import annotations
 
@@ -12,13 +12,10 @@ import datasets
 import pytest
 import torch
 
-from llama_module.data import (
-    PackedWindows,
-    ResumableLoader,
-    TextDataModule,
-    load_documents,
-)
+from llama_module.data import PackedWindows, TextDataModule, load_documents
 from llama_module.tokenizer import Tokenizer
+from llama_module.window_order import ResumableLoader
+from titan_strategy import ELASTIC_POSITION_KEY
 
 pytestmark = pytest.mark.unit
 
@@ -69,33 +66,120 @@ def test_data_parallel_ranks_read_disjoint_shares_and_replicas_read_the_same(num
     assert _document_numbers(_module(str(numbered_corpus), rank=1, world=2)) == rank1
 
 
-def test_loader_position_resumes_exactly_despite_lightning_prefetch() -> None:
-    def loader() -> ResumableLoader:
-        module = _module("offline")
-        module.setup("fit")
-        return module.train_dataloader()
+def _loader(source: str, rank: int = 0, world: int = 1, **kwargs) -> ResumableLoader:
+    module = _module(source, rank, world, **kwargs)
+    module.setup("fit")
+    return module.train_dataloader()
 
-    first = loader()
-    iterator = iter(first)
-    batches = [next(iterator) for _ in range(7)]
-    # Lightning has trained on batches 0-5 and prefetched batch 6, so a resume must replay batch 6.
-    state = first.state_dict()
-    following = [batches[6]] + [next(iterator) for _ in range(2)]
-    resumed = loader()
-    resumed.load_state_dict(state)
-    replay = [batch for _, batch in zip(range(3), resumed)]
-    for expected, got in zip(following, replay, strict=True):
-        assert torch.equal(expected["input_ids"], got["input_ids"])
+
+def _trained(loader: ResumableLoader, batches: int) -> dict:
+    """The state Lightning's loop saves after training on ``batches`` batches (it has fetched one more)."""
+    iterator = iter(loader)
+    for _ in range(batches + 1):
+        next(iterator)
+    return loader.state_dict()
+
+
+def _global_windows(loaders: list[ResumableLoader], batches: int) -> dict[int, list[int]]:
+    """Window id -> its tokens, over the next ``batches`` batches of every data-parallel rank's loader."""
+    windows = {}
+    for loader in loaders:
+        for _, batch in zip(range(batches), loader):
+            windows.update(zip(batch["window_id"].tolist(), batch["input_ids"].tolist()))
+    return windows
+
+
+def test_loader_position_resumes_exactly_despite_lightning_prefetch() -> None:
+    uninterrupted = _global_windows([_loader("offline")], 9)
+    resumed = _loader("offline")
+    resumed.load_state_dict(_trained(_loader("offline"), 6))
+    # Lightning trained on batches 0-5 and prefetched batch 6, so a resume starts at batch 6: windows 12 and 13.
+    windows = _global_windows([resumed], 3)
+    assert windows == {i: uninterrupted[i] for i in range(12, 18)}
+
+
+def test_the_window_order_is_the_same_for_every_data_parallel_layout() -> None:
+    one_rank = _global_windows([_loader("offline", batch_size=4)], 3)
+    assert sorted(one_rank) == list(range(12))
+    for world, batch_size in ((2, 2), (4, 1)):
+        ranks = [_loader("offline", rank, world, batch_size=batch_size) for rank in range(world)]
+        assert _global_windows(ranks, 3) == one_rank
+    # Ranks take consecutive windows of each global batch.
+    assert next(iter(_loader("offline", 1, 2, batch_size=2)))["window_id"].tolist() == [2, 3]
+
+
+def _saved_ranks(world: int, batch_size: int, batches: int) -> dict:
+    """What TitanStrategy hands every rank's loader at a resume: each saved rank's state."""
+    states = [_trained(_loader("offline", rank, world, batch_size=batch_size), batches) for rank in range(world)]
+    assert all(state[ELASTIC_POSITION_KEY] for state in states)
+    return {ELASTIC_POSITION_KEY: True, "saved_ranks": states}
+
+
+def _counting_packed_windows(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, torch.Tensor]]:
+    """Every window any lane packs from now on."""
+    packed: list[dict[str, torch.Tensor]] = []
+    pack = PackedWindows.__iter__
+    monkeypatch.setattr(PackedWindows, "__iter__", lambda self: (packed.append(w) or w for w in pack(self)))
+    return packed
+
+
+def _resumed(saved: dict, world: int, batch_size: int) -> list[ResumableLoader]:
+    loaders = [_loader("offline", rank, world, batch_size=batch_size) for rank in range(world)]
+    for loader in loaders:
+        loader.load_state_dict(saved)
+    return loaders
+
+
+@pytest.mark.parametrize(("world", "batch_size"), [(4, 1), (1, 4), (2, 2)], ids=["dp4", "dp1", "dp2"])
+def test_a_resume_on_another_layout_continues_the_order(world: int, batch_size: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    uninterrupted = _global_windows([_loader("offline", batch_size=4)], 5)
+    resumed = _resumed(_saved_ranks(2, 2, batches=3), world, batch_size)
+    packed = _counting_packed_windows(monkeypatch)
+    windows = _global_windows(resumed, 2)
+    assert sorted(windows) == list(range(12, 20))  # none repeated, none skipped
+    assert windows == {i: uninterrupted[i] for i in range(12, 20)}
+    # Each lane went on from where it stood, not from its first window (that would be correct, but slow).
+    assert len(packed) == 8
+
+
+def test_another_global_batch_continues_at_the_same_window(caplog: pytest.LogCaptureFixture,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    uninterrupted = _global_windows([_loader("offline", batch_size=4)], 7)
+    four = _saved_ranks(2, 2, batches=3)  # 4 lanes, 12 windows in
+    with caplog.at_level("INFO"):
+        six = _resumed(four, 2, 3)
+    assert "at window 12 (token 204 of the order) with a global batch of 6 windows (2 ranks x 3); the " \
+           "checkpoint's was 4" in caplog.text
+    # Windows 12-17: rank 0 reads lanes 0-2, rank 1 lanes 3, 0 and 1, skipping what rank 0 took.
+    assert _global_windows(_resumed(four, 2, 3), 1) == {i: uninterrupted[i] for i in range(12, 18)}
+    saved = {ELASTIC_POSITION_KEY: True, "saved_ranks": [_trained(loader, 1) for loader in six]}
+    # Back to 4 windows a step: each lane continues from the rank that read it furthest.
+    packed = _counting_packed_windows(monkeypatch)
+    assert _global_windows(_resumed(saved, 1, 4), 2) == {i: uninterrupted[i] for i in range(18, 26)}
+    assert len(packed) == 8
+
+
+def test_a_resume_with_another_seq_len_is_refused() -> None:
+    saved = _saved_ranks(1, 2, batches=1)
+    with pytest.raises(ValueError, match=r"hold seq_len=16 tokens, this run's 8: .* Resume with data.seq_len=16"):
+        _loader("offline", seq_len=8).load_state_dict(saved)
 
 
 def test_training_stream_repeats_past_the_end_of_the_corpus(numbered_corpus: Path) -> None:
-    module = _module(str(numbered_corpus), seq_len=8)
-    module.setup("fit")
+    module = _module(str(numbered_corpus), seq_len=8, batch_size=1)
     per_epoch = len(list(module._windows(module.source, "train", repeat=False)))
-    stream = iter(module._train)
-    windows = [next(stream) for _ in range(2 * per_epoch + 1)]
-    text = "".join(module.tokenizer.decode(w["input_ids"].tolist() + w["labels"][-1:].tolist()) for w in windows)
+    module.setup("fit")
+    batches = [batch for batch, _ in zip(module.train_dataloader(), range(2 * per_epoch + 1))]
+    text = "".join(module.tokenizer.decode(b["input_ids"][0].tolist() + b["labels"][0, -1:].tolist()) for b in batches)
     assert text.count("document 0 of the corpus.") == 2  # the second epoch reads the corpus again
+
+
+def test_too_few_tokens_for_one_window_are_explained(numbered_corpus: Path) -> None:
+    module = _module(str(numbered_corpus), seq_len=4096, batch_size=1)
+    module.setup("fit")
+    with pytest.raises(ValueError, match=r"fewer than seq_len \+ 1 = 4097 tokens in all"):
+        next(iter(module.train_dataloader()))
 
 
 def test_validation_sees_the_same_held_out_windows_every_time() -> None:

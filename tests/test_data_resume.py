@@ -1,16 +1,21 @@
 """A plain map-style DataLoader, shuffled by Lightning's sampler injection, resumes exactly: at an epoch's end,
-mid-epoch under gradient accumulation, and on another data-parallel layout with the same global batch."""
+mid-epoch under gradient accumulation, and on another data-parallel layout with the same global batch. So do
+TextDataModule's packed windows, trained through `titan fit`."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.conftest import launch
+from tests.conftest import REPO, launch, run_command
 from tests.parity import Record
 from tests.run_spec import RunSpec
 
@@ -112,3 +117,51 @@ def test_a_position_that_is_no_whole_number_of_global_batches_fails_on_every_ran
                 "of this run's global batches of 10 samples (2 ranks x 5") in str(failure.value)
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == before
     assert not (tmp_path / "checkpoints").exists()
+
+
+# ---- TextDataModule's packed windows, through `titan fit` ------------------------------------------------------
+
+def _titan_fit(out: Path, test_env: dict[str, str], batch_size: int, *, resume_from: Path | None = None,
+               **strategy: int) -> list[Record]:
+    """configs/debug.yaml for 6 steps of ``batch_size`` 32-token windows per data-parallel rank, checkpointed at
+    step 3, each batch's loss and window ids logged (tests/batch_log.py)."""
+    config = yaml.safe_load((REPO / "configs" / "debug.yaml").read_text())
+    processes = math.prod(strategy.values())
+    config["trainer"].update(devices=processes, max_steps=6, limit_val_batches=0, logger=False,
+                             enable_progress_bar=False, default_root_dir=str(out), callbacks=[
+                                 {"class_path": "tests.batch_log.BatchLog", "init_args": {"out_dir": str(out)}},
+                                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                  "init_args": _checkpoints({"every_n_train_steps": 3}, out)}])
+    config["trainer"]["strategy"]["init_args"] = {"data_parallel_shard_size": 1, **strategy}
+    config["data"].update(seq_len=32, batch_size=batch_size, val_batches=0)
+    out.mkdir(parents=True)
+    (out / "fit.yaml").write_text(yaml.safe_dump(config))  # Lightning writes config.yaml
+    titan = shutil.which("titan")
+    run_command([*([titan] if titan else [sys.executable, "-m", "llama_module.cli"]), "fit", "--config",
+                 str(out / "fit.yaml"), *([f"--ckpt_path={resume_from}"] if resume_from else [])], test_env, out)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(processes)]
+
+
+@pytest.fixture(scope="module")
+def saved_text_runs(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> dict[str, Any]:
+    """`titan fit` on dp2 x 4 windows and on dp4 x 2 (the same global batch), both checkpointed at step 3."""
+    out = tmp_path_factory.mktemp("elastic_text")
+    runs = {"dp2": _titan_fit(out / "dp2", test_env, 4, data_parallel_shard_size=2),
+            "dp4": _titan_fit(out / "dp4", test_env, 2, data_parallel_shard_size=4)}
+    for records in runs.values():
+        assert [i for _, batch in _batches(records) for i in batch] == list(range(48))  # the global order
+    return {name: (records, out / name / "checkpoints/step=3.ckpt") for name, records in runs.items()}
+
+
+@pytest.mark.parametrize(("saved", "batch_size", "layout"), [
+    ("dp2", 2, {"data_parallel_shard_size": 4}),
+    ("dp2", 4, {"data_parallel_shard_size": 2, "pipeline_parallel_size": 2}),
+    ("dp4", 4, {"data_parallel_shard_size": 2}),
+    ("dp4", 4, {"data_parallel_shard_size": 2, "tensor_parallel_size": 2}),
+], ids=["dp2-to-dp4", "dp2-to-pp2xdp2", "dp4-to-dp2", "dp4-to-dp2xtp2"])
+def test_titan_fit_resumes_the_packed_windows_on_another_layout(saved: str, batch_size: int, layout: dict[str, int],
+                                                                saved_text_runs: dict[str, Any], tmp_path: Path,
+                                                                test_env: dict[str, str]) -> None:
+    full, checkpoint = saved_text_runs[saved]
+    resumed = _titan_fit(tmp_path / "resumed", test_env, batch_size, resume_from=checkpoint, **layout)
+    _assert_resumed_tail(full, resumed, batches_after=3, rtol=OTHER_LAYOUT_RTOL)

@@ -19,6 +19,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.distributed_c10d as c10d
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import titan_strategy.checkpoint.io as checkpoint_io
 from llama_module import LlamaConfig, LlamaModule, TextDataModule
@@ -69,6 +70,36 @@ class AffineSequences(Dataset):
             labels[len(labels) - (11 * index) % (3 * len(labels) // 4):] = -100
         sample = {"input_ids": window[:-1], "labels": labels}
         return {**sample, "sample_id": torch.tensor(index)} if self.with_ids else sample
+
+
+class RankStream(IterableDataset):
+    """A user's stream with a per-rank position (``state_dict``), as torchdata's StatefulDataLoader keeps one: rank
+    r of n reads samples r, r + n, ... and counts the ones it has handed out."""
+
+    def __init__(self, samples: Dataset, rank: int, ranks: int) -> None:
+        self.samples, self.rank, self.ranks = samples, rank, ranks
+        self.read = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for index in range(self.rank + self.read * self.ranks, len(self.samples), self.ranks):
+            self.read += 1
+            yield self.samples[index]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"read": self.read}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.read = state["read"]
+
+
+class StatefulLoader(DataLoader):
+    """A DataLoader whose position is its dataset's (Lightning saves a loader's state_dict, not a dataset's)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
 
 
 class SelfShardedLlama(LlamaModule):
@@ -327,7 +358,11 @@ def main(spec: RunSpec, out_dir: Path) -> None:
         model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "n_layers": n_layers, **spec.model}), **model_args)
         samples = AffineSequences(spec.samples, spec.seq_len, TINY.vocab_size, with_ids=spec.record_sample_ids,
                                   padded=spec.padded_labels)
-        loader = DataLoader(samples, batch_size=spec.batch_size)
+        if spec.data == "rank_stream":  # a pure data-parallel run: the process's rank is its data-parallel rank
+            stream = RankStream(samples, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+            loader = StatefulLoader(stream, batch_size=spec.batch_size)
+        else:
+            loader = DataLoader(samples, batch_size=spec.batch_size)
         val_loader = DataLoader(AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99, padded=spec.padded_labels),
                                 batch_size=spec.batch_size)
         trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.resume_from)

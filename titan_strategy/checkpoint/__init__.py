@@ -2,6 +2,7 @@
 complete (``manifest``), per-rank RNG states (``rng``) and model weights alone (``weights``)."""
 
 from titan_strategy.checkpoint.dcp import (
+    ELASTIC_POSITION_KEY,
     RankPlace,
     is_titan_checkpoint,
     load_checkpoint,
@@ -19,7 +20,7 @@ from titan_strategy.checkpoint.weights import (
     write_model_weights,
 )
 
-__all__ = ["CHECKPOINT_MODES", "CorruptCheckpointError", "DistributedCheckpointIO", "RankPlace", "SaveTiming",
-           "check_weights_source", "is_titan_checkpoint", "load_checkpoint", "load_model_weights",
+__all__ = ["CHECKPOINT_MODES", "ELASTIC_POSITION_KEY", "CorruptCheckpointError", "DistributedCheckpointIO", "RankPlace",
+           "SaveTiming", "check_weights_source", "is_titan_checkpoint", "load_checkpoint", "load_model_weights",
            "newest_complete_checkpoint", "optimizer_state_dict", "read_hyper_parameters", "read_model_weights",
            "restore_rng_states", "write_model_weights"]

@@ -30,10 +30,15 @@ from torch.optim import Optimizer
 
 from titan_strategy.checkpoint.manifest import MANIFEST_FILE, is_complete, verify_files
 
-__all__ = ["LIGHTNING_STATE_FILE", "LoadedCheckpoint", "RankPlace", "is_titan_checkpoint", "load_checkpoint",
-           "newest_complete_checkpoint", "optimizer_state_dict", "split_checkpoint", "to_bytes"]
+__all__ = ["ELASTIC_POSITION_KEY", "LIGHTNING_STATE_FILE", "LoadedCheckpoint", "RankPlace", "is_titan_checkpoint",
+           "load_checkpoint", "newest_complete_checkpoint", "optimizer_state_dict", "split_checkpoint", "to_bytes"]
 
 LIGHTNING_STATE_FILE = "lightning_state.pt"
+# A training loader whose state_dict() holds this key set to True keeps a global position (llama_module's
+# GlobalWindows does): on resume, under any data-parallel degree, each rank's loader is handed every saved
+# rank's state, load_state_dict({ELASTIC_POSITION_KEY: True, "saved_ranks": [batch rank 0's, 1's, ...]}),
+# and derives its own share. Any other stateful loader gets its own rank's state, on the same degree only.
+ELASTIC_POSITION_KEY = "titan_elastic_position"
 _LAYOUT_KEY = "titan_layout"
 _DATALOADER_PREFIX = "dataloader.batch_rank_"
 _RNG_PREFIX = "rng.rank_"
@@ -127,7 +132,8 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: list[Optimizer], 
     Raises:
         FileNotFoundError: ``path`` is not a complete TitanStrategy checkpoint.
         CorruptCheckpointError: a file differs from what was written.
-        ValueError: the dataloader position was saved under another data-parallel degree.
+        ValueError: a dataloader position without ``ELASTIC_POSITION_KEY`` was saved under another
+            data-parallel degree.
     """
     if not is_titan_checkpoint(path):
         raise FileNotFoundError(
@@ -144,17 +150,11 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: list[Optimizer], 
         state[f"optimizer_{index}"] = optimizer_state_dict(module, optimizer)
     loop_state = _fit_loop_state(checkpoint).get("state_dict")
     saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    # Decided from what the checkpoint holds, not from this rank's key, so that every rank takes the
-    # same branch (a rank that raised alone would leave the others waiting in dcp.load).
+    # Every saved rank's position is read on every rank, so that all of them decide alike whether it can
+    # be handed over (a rank that raised alone would leave the others waiting in a collective).
     restore_loader = loop_state is not None and any(key.startswith(_DATALOADER_PREFIX) for key in saved_keys)
-    if restore_loader:
-        if layout["batch_world_size"] != place.batch_world_size:
-            raise ValueError(
-                f"{path} holds dataloader positions for {layout['batch_world_size']} data-parallel ranks, but this run "
-                f"has {place.batch_world_size}. Resume with the same data_parallel_replicate_size x "
-                "data_parallel_shard_size, or use a dataloader without saved state."
-            )
-        state[_dataloader_key(place.batch_rank)] = b""
+    saved_loaders = [_dataloader_key(rank) for rank in range(layout["batch_world_size"])] if restore_loader else []
+    state.update(dict.fromkeys(saved_loaders, b""))
     same_ranks = layout["world_size"] == place.world_size
     rng_key = f"{_RNG_PREFIX}{place.rank}"
     if same_ranks:
@@ -164,9 +164,29 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: list[Optimizer], 
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"], options=_OPTIMIZER_OPTIONS)
     if restore_loader:
-        loop_state["combined_loader"] = _from_bytes(state[_dataloader_key(place.batch_rank)])
+        loop_state["combined_loader"] = _loader_states([_from_bytes(state[key]) for key in saved_loaders], place,
+                                                       path)
     if not same_ranks and place.rank == 0:
         warnings.warn(f"{path} was saved by {layout['world_size']} ranks and this run has {place.world_size}: "
                       "random-number streams start from the seed instead of where they were.", stacklevel=2)
     return LoadedCheckpoint(checkpoint, _from_bytes(state[rng_key]) if same_ranks else None,
                             layout["saved_at_last_batch"])
+
+
+def _loader_states(saved: list[list[dict[str, Any]]], place: RankPlace, path: Path) -> list[dict[str, Any]]:
+    """This rank's state for each stateful training loader, from every saved batch rank's list of them."""
+    states = []
+    for per_rank in zip(*saved, strict=True):
+        if all(isinstance(state, dict) and state.get(ELASTIC_POSITION_KEY) for state in per_rank):
+            states.append({ELASTIC_POSITION_KEY: True, "saved_ranks": list(per_rank)})
+        elif len(per_rank) == place.batch_world_size:
+            states.append(per_rank[place.batch_rank])
+        else:
+            raise ValueError(
+                f"{path} holds dataloader positions for {len(per_rank)} data-parallel ranks, but this run has "
+                f"{place.batch_world_size}, and the loader's position is per rank. Resume with the same "
+                "data_parallel_replicate_size x data_parallel_shard_size, use a map-style Dataset (the strategy "
+                f"positions its sampler) or a loader whose state_dict() holds a global position "
+                f"({ELASTIC_POSITION_KEY!r}, see titan_strategy/checkpoint/dcp.py)."
+            )
+    return states
