@@ -3,6 +3,8 @@
     python benchmarks/throughput.py --matrix 1B --results benchmarks/RESULTS.md      # the 1B rows
     python benchmarks/throughput.py --matrix 8B-width --results benchmarks/RESULTS.md
     python benchmarks/throughput.py --flavor 1B --compile --compile-loss --activation-checkpointing selective_op
+    python benchmarks/throughput.py --flavor 1B --compile --compile-loss --attention-mask block_causal \
+        --attention-kernel flex --reference
 
 Each row runs in a fresh process. In it, a plain PyTorch loop trains the same recipe first (when the row
 asks for a reference): the model parallelized by the same ``titan_strategy.parallelize`` call, the
@@ -12,9 +14,12 @@ what Lightning and the strategy's hooks cost, measured side by side.
 
 Shapes: ``1B`` is the Llama-3.2-1B shape (dim 2048, 16 layers, untied output), seq 8192, batch 2;
 ``8B-width`` is Llama-3-8B's width (dim 4096, ffn 14336) with 16 layers, seq 8192, batch 1. Random
-tokens (the data path is not measured), bf16-mixed (on one GPU the strategy does not wrap the model in
-FSDP: with TritonAdamW the weights are bf16 with fp32 masters, with torch's AdamW autocast casts them).
-MFU counts ``LlamaModule.flops_per_token`` (recomputation not counted) over the device's dense bf16 peak.
+tokens (the data path is not measured); with ``--attention-mask block_causal`` each window is cut into
+documents whose lengths are drawn from 40 real C4 documents' (``c4_document_lengths.json``). bf16-mixed (on one
+GPU the strategy does not wrap the model in FSDP: with TritonAdamW the weights are bf16 with fp32 masters,
+with torch's AdamW autocast casts them).
+MFU counts ``LlamaModule.flops_per_token`` (recomputation not counted) over the device's dense bf16 peak; under
+the block-causal mask a second MFU counts attention over each document only (the FLOPs the mask leaves).
 A run that runs out of memory reports ``oom`` instead of failing.
 """
 
@@ -62,16 +67,36 @@ MATRICES = {
 }
 
 
+C4_LENGTHS = json.loads((Path(__file__).parent / "c4_document_lengths.json").read_text())["lengths"]
+
+
+def document_ids(index: int, seq_len: int) -> torch.Tensor:
+    """Window ``index`` cut into documents of C4's lengths, drawn at random (the first starts partway in)."""
+    generator = torch.Generator().manual_seed(index)
+    draws = torch.randint(0, len(C4_LENGTHS), (seq_len,), generator=generator)
+    lengths = torch.tensor(C4_LENGTHS)[draws]
+    lengths[0] = torch.randint(1, int(lengths[0]) + 1, (), generator=generator)
+    return torch.repeat_interleave(torch.arange(seq_len), lengths)[:seq_len]
+
+
+def attended_seq_len(seq_len: int, samples: int = 64) -> float:
+    """The sequence length that counts as many attention FLOPs as the block-causal mask leaves: the mean over
+    windows of sum(document length ^ 2) / seq_len (``flops_per_token`` counts the full score matrix)."""
+    counts = [torch.bincount(document_ids(i, seq_len)).double() for i in range(samples)]
+    return float(sum((c * c).sum() for c in counts) / (samples * seq_len))
+
+
 class RandomTokens(Dataset):
-    def __init__(self, length: int, seq_len: int, vocab: int) -> None:
-        self.length, self.seq_len, self.vocab = length, seq_len, vocab
+    def __init__(self, length: int, seq_len: int, vocab: int, documents: bool = False) -> None:
+        self.length, self.seq_len, self.vocab, self.documents = length, seq_len, vocab, documents
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         tokens = torch.randint(0, self.vocab, (self.seq_len + 1,), generator=torch.Generator().manual_seed(index))
-        return {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        sample = {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        return {**sample, "document_ids": document_ids(index, self.seq_len)} if self.documents else sample
 
 
 class KernelProfile:
@@ -142,7 +167,8 @@ def _strategy_knobs(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _loader(row: dict[str, Any], vocab: int) -> DataLoader:
-    return DataLoader(RandomTokens(row["steps"] * row["batch_size"], row["seq_len"], vocab),
+    documents = row["attention_mask"] == "block_causal"
+    return DataLoader(RandomTokens(row["steps"] * row["batch_size"], row["seq_len"], vocab, documents),
                       batch_size=row["batch_size"], num_workers=2, pin_memory=True)
 
 
@@ -151,7 +177,8 @@ def _module(row: dict[str, Any]) -> LlamaModule:
     if row["n_layers"] is not None:
         config = dataclasses.replace(config, n_layers=row["n_layers"])
     return LlamaModule(model=dataclasses.replace(config, max_seq_len=max(row["seq_len"], 2048)), warmup_steps=10,
-                       decay_steps=1000, attention_kernel=row["attention_kernel"], adamw=row["adamw"])
+                       decay_steps=1000, attention_kernel=row["attention_kernel"], adamw=row["adamw"],
+                       attention_mask=row["attention_mask"])
 
 
 def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
@@ -174,9 +201,9 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
     start, done = 0.0, 0
     profile = KernelProfile("plain loop", row["warmup"]) if row["profile"] else None
     for step, batch in enumerate(_loader(row, module.config.vocab_size), start=1):
-        inputs, labels = batch["input_ids"].to(device, non_blocking=True), batch["labels"].to(device, non_blocking=True)
+        batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss_sum, num_tokens = loss_fn(model(inputs), labels)
+            loss_sum, num_tokens = loss_fn(model(batch["input_ids"], batch.get("document_ids")), batch["labels"])
         loss = loss_sum / num_tokens.clamp(min=1)
         loss.backward()
         clip_grad_norm_(list(model.parameters()), max_norm=1.0)
@@ -216,8 +243,13 @@ def lightning_run(row: dict[str, Any]) -> dict[str, Any]:
 def _rates(row: dict[str, Any], module: LlamaModule, steps_per_s: float) -> dict[str, Any]:
     tokens_per_s = steps_per_s * row["batch_size"] * row["seq_len"]
     peak = peak_tflops_of(torch.cuda.get_device_name()) or float("nan")
-    return {"tokens_per_s": round(tokens_per_s),
-            "mfu_percent": round(100 * tokens_per_s * module.flops_per_token(row["seq_len"]) / (peak * 1e12), 1),
+
+    def mfu(seq_len: float) -> float:
+        return round(100 * tokens_per_s * module.config.flops_per_token(seq_len) / (peak * 1e12), 1)
+
+    masked = row["attention_mask"] == "block_causal"
+    return {"tokens_per_s": round(tokens_per_s), "mfu_percent": mfu(row["seq_len"]),
+            "mfu_attended_percent": mfu(round(attended_seq_len(row["seq_len"]))) if masked else None,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1)}
 
@@ -250,7 +282,7 @@ def run_row(row: dict[str, Any]) -> dict[str, Any]:
 
 def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     common = {"seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "profile": args.profile,
-              "attention_kernel": args.attention_kernel, "adamw": args.adamw}
+              "attention_kernel": args.attention_kernel, "attention_mask": args.attention_mask, "adamw": args.adamw}
     if args.matrix is None:
         shape = {"flavor": args.flavor, "n_layers": args.n_layers, "batch_size": args.batch_size}
         return [{**shape, **common, "compile": args.compile, "compile_loss": args.compile_loss,
@@ -263,17 +295,19 @@ def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = ["| shape | attention | AdamW | compile | compiled loss | AC | float8 | tokens/s | MFU | "
+    lines = ["| shape | attention | AdamW | compile | compiled loss | AC | float8 | tokens/s | MFU (attended) | "
              "peak alloc / reserved GiB | plain loop tokens/s | Lightning / plain |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         run, plain = r["lightning"], r.get("plain")
         shape = r["flavor"] if r["n_layers"] is None else f"{r['flavor']} width x {r['n_layers']} layers"
-        speed = "OOM | —" if run.get("oom") else f"{run['tokens_per_s']:,} | {run['mfu_percent']}%"
+        attended = f" ({run['mfu_attended_percent']}%)" if run.get("mfu_attended_percent") is not None else ""
+        speed = "OOM | —" if run.get("oom") else f"{run['tokens_per_s']:,} | {run['mfu_percent']}%{attended}"
         memory = f"{run['peak_memory_gib']} / {run.get('peak_reserved_gib', '—')}"
         reference = "—" if plain is None else "OOM" if plain.get("oom") else f"{plain['tokens_per_s']:,}"
         ratio = f"{r['lightning_vs_plain']:.3f}" if "lightning_vs_plain" in r else "—"
-        lines.append(f"| {shape} | {r['attention_kernel']} | {r['adamw']} | {'yes' if r['compile'] else 'no'} | "
+        attention = r["attention_kernel"] + (", block-causal" if r["attention_mask"] == "block_causal" else "")
+        lines.append(f"| {shape} | {attention} | {r['adamw']} | {'yes' if r['compile'] else 'no'} | "
                      f"{'yes' if r['compile_loss'] else 'no'} | "
                      f"{r['ac']} | {r['float8']} | {speed} | {memory} | {reference} | {ratio} |")
     return "\n".join(lines)
@@ -303,8 +337,10 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", default="none",
                         choices=["none", "full", "selective_op", "selective_layer"])
     parser.add_argument("--float8", default="none", choices=["none", "tensorwise", "rowwise"])
-    parser.add_argument("--attention-kernel", default="sdpa", choices=["sdpa", "fa4"],
-                        help="LlamaModule(attention_kernel=...): torch's SDPA, or FlashAttention-4")
+    parser.add_argument("--attention-kernel", default="sdpa", choices=["sdpa", "fa4", "flex"],
+                        help="LlamaModule(attention_kernel=...): torch's SDPA, FlashAttention-4 or FlexAttention")
+    parser.add_argument("--attention-mask", default="causal", choices=["causal", "block_causal"],
+                        help="LlamaModule(attention_mask=...); block_causal cuts windows into C4-length documents")
     parser.add_argument("--adamw", default="auto", choices=ADAMW_KERNELS,
                         help="LlamaModule(adamw=...): the AdamW kernel; auto is triton on CUDA")
     parser.add_argument("--reference", action="store_true", help="also run the plain-loop reference")

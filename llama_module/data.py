@@ -28,7 +28,7 @@ from llama_module.window_order import GlobalWindows, ResumableLoader
 if TYPE_CHECKING:  # datasets (with pyarrow and pandas) takes a second to import: done where documents load
     import datasets
 
-__all__ = ["TextDataModule", "PackedWindows", "offline_corpus_texts", "load_documents"]
+__all__ = ["TextDataModule", "PackedWindows", "load_documents", "offline_corpus_texts", "packed_window"]
 
 log = logging.getLogger(__name__)
 
@@ -90,19 +90,35 @@ def load_documents(source: str, split: str, *, seed: int = 0) -> datasets.Iterab
     return datasets.load_dataset(_file_format(files), data_files=files, split="train", streaming=True)
 
 
+def packed_window(tokens: torch.Tensor, bos_id: int, mask_boundary_labels: bool = False) -> dict[str, torch.Tensor]:
+    """A (seq_len + 1)-token window of BOS-led documents as a sample: ``input_ids``, ``labels`` (shifted by one) and
+    ``document_ids`` (0 for the window's first, possibly partial, document, then 1, 2... at each BOS).
+
+    With ``mask_boundary_labels`` the label that crosses into the next document (its BOS, predicted from the
+    previous document's last token) is -100.
+    """
+    documents = torch.cumsum(tokens == bos_id, 0)
+    documents -= documents[0].clone()
+    labels = tokens[1:].clone()
+    if mask_boundary_labels:
+        labels[documents[1:] != documents[:-1]] = -100
+    return {"input_ids": tokens[:-1], "labels": labels, "document_ids": documents[:-1]}
+
+
 class PackedWindows(IterableDataset):
     """Concatenates tokenized documents (each wrapped in BOS/EOS) and cuts (seq_len + 1)-token windows.
 
-    Yields ``{"input_ids": [seq_len], "labels": [seq_len]}`` with labels shifted by one token.
+    Yields ``packed_window``'s ``{"input_ids", "labels", "document_ids"}``, each [seq_len].
     """
 
     def __init__(self, documents: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int, *,
-                 text_field: str = "text", repeat: bool = True) -> None:
+                 text_field: str = "text", repeat: bool = True, mask_boundary_labels: bool = False) -> None:
         self.documents = documents
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.text_field = text_field
         self.repeat = repeat
+        self.mask_boundary_labels = mask_boundary_labels
         self._start = documents.state_dict()
         self._buffer: list[int] = []
         self._epoch = 0
@@ -117,7 +133,7 @@ class PackedWindows(IterableDataset):
                     window = torch.tensor(self._buffer[: self.seq_len + 1])
                     del self._buffer[: self.seq_len + 1]
                     windows += 1
-                    yield {"input_ids": window[:-1], "labels": window[1:]}
+                    yield packed_window(window, self.tokenizer.bos_id, self.mask_boundary_labels)
             if not self.repeat:
                 return
             empty_passes = 0 if windows else empty_passes + 1
@@ -143,7 +159,9 @@ class PackedWindows(IterableDataset):
 
 
 class TextDataModule(L.LightningDataModule):
-    """Packed next-token-prediction batches ``{"input_ids", "labels"}`` of shape (batch_size, seq_len).
+    """Packed next-token-prediction batches ``{"input_ids", "labels", "document_ids"}`` of shape (batch_size,
+    seq_len), training batches also with ``window_id``; ``document_ids`` numbers each window's documents (what
+    ``LlamaModule(attention_mask="block_causal")`` masks attention by, ``llama_module.documents``).
 
     Args:
         source: "offline", "c4", or local files (see ``load_documents``).
@@ -157,10 +175,14 @@ class TextDataModule(L.LightningDataModule):
         val_batches: validation batches per rank and validation run.
         text_field: the document field holding the text.
         seed: document order of the offline corpus.
+        mask_boundary_labels: the label crossing from one document into the next (its BOS) is -100, so no token
+            learns to predict across a boundary. The loss is a mean over labelled tokens, so this changes nothing
+            else.
     """
 
     def __init__(self, source: str = "offline", seq_len: int = 256, batch_size: int = 8, tokenizer: str | None = None,
-                 val_source: str | None = None, val_batches: int = 8, text_field: str = "text", seed: int = 0) -> None:
+                 val_source: str | None = None, val_batches: int = 8, text_field: str = "text", seed: int = 0,
+                 mask_boundary_labels: bool = False) -> None:
         super().__init__()
         if seq_len < 1 or batch_size < 1 or val_batches < 0:
             raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1, "
@@ -173,6 +195,7 @@ class TextDataModule(L.LightningDataModule):
         self.val_batches = val_batches
         self.text_field = text_field
         self.seed = seed
+        self.mask_boundary_labels = mask_boundary_labels
         self.tokenizer = Tokenizer(tokenizer)
         self._train: GlobalWindows | None = None
 
@@ -190,7 +213,8 @@ class TextDataModule(L.LightningDataModule):
         from datasets.distributed import split_dataset_by_node
 
         documents = split_dataset_by_node(documents, rank=share, world_size=shares)
-        return PackedWindows(documents, self.tokenizer, self.seq_len, text_field=self.text_field, repeat=repeat)
+        return PackedWindows(documents, self.tokenizer, self.seq_len, text_field=self.text_field, repeat=repeat,
+                             mask_boundary_labels=self.mask_boundary_labels)
 
     def _windows(self, source: str, split: str, repeat: bool) -> PackedWindows:
         """This data-parallel rank's share of the documents, packed (validation)."""

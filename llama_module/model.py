@@ -16,16 +16,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llama_module.args import LlamaConfig, RopeScaling
+from llama_module.documents import AttentionMask, DocumentMasking, RopePositions, flex_attention
 from titan_strategy.kernels import flash_attention4
 
 __all__ = ["Llama", "ParamFiller", "check_attention_kernel", "fill_in_place", "rope_table"]
 
-ATTENTION_KERNELS = ("sdpa", "fa4")
+ATTENTION_KERNELS = ("sdpa", "fa4", "flex")
 
 
-def check_attention_kernel(kernel: str) -> None:
+def check_attention_kernel(kernel: str, attention_mask: str = "causal") -> None:
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention_kernel={kernel!r} must be one of {list(ATTENTION_KERNELS)}.")
+    if kernel == "flex" and attention_mask != "block_causal":
+        raise ValueError("attention_kernel='flex' runs the block-causal mask; plain causal attention is faster on "
+                         "attention_kernel='sdpa' or 'fa4'. Use attention_mask='block_causal' or another kernel.")
+    if kernel == "fa4" and attention_mask != "causal":
+        raise ValueError(f"attention_kernel='fa4' takes attention_mask='causal' only (the installed FlashAttention-4 "
+                         f"path here has no document mask), not {attention_mask!r}. Use attention_kernel='flex' "
+                         "for block-causal attention, or attention_mask='causal'.")
 
 Initializer = Callable[[Tensor], None]
 ParamFiller = Callable[[nn.Parameter, Initializer], None]
@@ -61,13 +69,15 @@ def rope_table(config: LlamaConfig, device: torch.device | None = None) -> Tenso
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
-def apply_rope(x: Tensor, table: Tensor) -> Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (bs, seqlen, heads, head_dim), table: (seqlen, head_dim/2, 2).
+def apply_rope(x: Tensor, rows: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (bs, seqlen, heads, head_dim) by the RoPE table's rows of
+    their positions: (seqlen, head_dim/2, 2), the same for every sequence, or (bs, seqlen, head_dim/2, 2).
 
     Real-valued on purpose: inductor cannot fuse complex arithmetic.
     """
     pairs = x.float().unflatten(-1, (-1, 2))  # (bs, seqlen, heads, head_dim/2, 2)
-    cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]  # (1, seqlen, 1, head_dim/2)
+    rows = rows if rows.ndim == 4 else rows[None]
+    cos, sin = rows[:, :, None, :, 0], rows[:, :, None, :, 1]  # (bs or 1, seqlen, 1, head_dim/2)
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
@@ -101,31 +111,36 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
-class CausalSDPA(nn.Module):
-    """Causal scaled dot-product attention of (bs, heads, seqlen, head_dim) tensors.
+class AttentionCore(nn.Module):
+    """Scaled dot-product attention of (bs, heads, seqlen, head_dim) tensors: causal, or under a document mask.
 
     Key and value may have fewer heads than the query (grouped-query attention): each then serves
     ``query heads / kv heads`` consecutive query heads. The kernels do that themselves, which is faster
     than expanding key and value first and keeps the expanded copies out of the saved activations.
 
     A module of its own so that a parallelism can take over exactly this call (context parallelism
-    turns it into ring attention over sequence shards).
+    turns it into ring attention over sequence shards, or gathers the keys and values under a mask).
 
-    ``kernel``: ``sdpa`` (torch's SDPA, which picks its backend; what context parallelism takes over) or
-    ``fa4`` (FlashAttention-4, Hopper and Blackwell: ``titan_strategy.kernels.flash_attention4``).
+    ``kernel``: ``sdpa`` (torch's SDPA, which picks its backend; causal, or with a dense boolean mask),
+    ``fa4`` (FlashAttention-4, Hopper and Blackwell, causal: ``titan_strategy.kernels.flash_attention4``) or
+    ``flex`` (FlexAttention with a block-sparse mask; compiled). ``mask``: None (causal) or what
+    ``DocumentMasking`` built for this kernel.
     """
 
     def __init__(self, kernel: str = "sdpa") -> None:
         super().__init__()
-        check_attention_kernel(kernel)
+        check_attention_kernel(kernel, "block_causal" if kernel == "flex" else "causal")
         self.kernel = kernel
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask | None = None) -> Tensor:
+        grouped = query.size(1) != key.size(1)
+        if self.kernel == "flex":
+            return flex_attention(query, key, value, mask)
         if self.kernel == "fa4":  # it takes (bs, seqlen, heads, head_dim): the layout the projections made
             out, _ = flash_attention4(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
             return out.transpose(1, 2)
-        grouped = query.size(1) != key.size(1)
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=grouped)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=grouped)
 
 
 class Attention(nn.Module):
@@ -136,21 +151,25 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
-        self.sdpa = CausalSDPA(attention_kernel)
+        self.sdpa = AttentionCore(attention_kernel)
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask | None) -> Tensor:
+        """``rope``: the RoPE table; ``positions``: each token's row of it, (seqlen,) or (bs, seqlen)."""
         # x may be a tensor-parallel DTensor; its shape is then the global one, which RoPE needs.
         bs, seqlen, _ = x.shape
-        if seqlen > rope.shape[0]:
-            raise ValueError(f"Sequence length {seqlen} exceeds max_seq_len={rope.shape[0]}; raise "
-                             "LlamaModule(max_seq_len=...) or shorten the data's seq_len.")
-        rope = rope[:seqlen]
+        if positions.ndim == 1:  # the positions of the window, which may be longer than this sequence
+            if seqlen > positions.shape[0]:
+                raise ValueError(f"Sequence length {seqlen} exceeds max_seq_len={positions.shape[0]}; raise "
+                                 "LlamaModule(max_seq_len=...) or shorten the data's seq_len.")
+            positions = positions[:seqlen]
+        rope = rope[positions]
         # -1 instead of n_heads: under tensor parallelism each rank holds only its share of heads.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_local_heads, head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)  # (bs, seqlen, n_local_kv_heads, head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (bs, n_local_heads, seqlen, hd)
+        # (bs, n_local_heads, seqlen, hd)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -173,8 +192,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_dim)
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask | None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, positions, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -183,11 +202,13 @@ class Llama(nn.Module):
 
     ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` (a pipeline stage without
     them): then the input is the hidden state and the output the hidden state. ``attention_kernel``:
-    see ``CausalSDPA``.
+    see ``AttentionCore``; ``attention_mask`` and ``rope_positions``: see ``DocumentMasking``.
     """
 
-    def __init__(self, config: LlamaConfig, attention_kernel: str = "sdpa") -> None:
+    def __init__(self, config: LlamaConfig, attention_kernel: str = "sdpa", attention_mask: str = "causal",
+                 rope_positions: RopePositions = "document") -> None:
         super().__init__()
+        check_attention_kernel(attention_kernel, attention_mask)
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, attention_kernel)
@@ -195,12 +216,16 @@ class Llama(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.rope = RotaryTable(config)
+        self.documents = DocumentMasking(config.max_seq_len, attention_mask, attention_kernel, rope_positions)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        """``document_ids`` (bs, seqlen): which document of the window each token belongs to (see
+        ``llama_module.documents``); needed by the block-causal mask, ignored by the causal one."""
+        positions, mask = self.documents(document_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope()
         for block in self.layers.values():
-            h = block(h, rope)
+            h = block(h, rope, positions, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
@@ -215,6 +240,7 @@ class Llama(nn.Module):
         """
         base_seed = torch.initial_seed() if seed is None else seed
         self.rope.reset_parameters()
+        self.documents.reset_parameters()
         for name, param in self.named_parameters():
             generator = torch.Generator(device=param.device)
             generator.manual_seed((base_seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from llama_module.args import LlamaConfig, get_flavor
+from llama_module.documents import ATTENTION_MASKS, ROPE_POSITIONS, check_document_ids
 from llama_module.model import Llama, check_attention_kernel
 from llama_module.plan import llama_plan
 from titan_strategy import ParallelPlan, log_step_metric
@@ -40,21 +41,31 @@ class LlamaModule(L.LightningModule):
             ``titan_strategy.kernels.adamw``: 1.4x faster than torch's fused kernel on an H200), ``fused``
             (torch's fused kernel), ``foreach`` (torch's multi-tensor ops), or ``auto``: triton on CUDA,
             foreach elsewhere. All run the same AdamW and checkpoint the same state.
-        attention_kernel: ``sdpa`` (torch's, any device, context parallel) or ``fa4`` (FlashAttention-4 on
-            Hopper/Blackwell, about 6% faster steps at the 1B shape on an H200; needs the ``flash-attn-4``
-            package, and no context parallelism).
+        attention_kernel: ``sdpa`` (torch's, any device, context parallel; under the block-causal mask it takes a
+            dense mask, meant for CPU and tests), ``fa4`` (FlashAttention-4 on Hopper/Blackwell, causal only, about
+            6% faster steps at the 1B shape on an H200; needs the ``flash-attn-4`` package, and no context
+            parallelism) or ``flex`` (FlexAttention with a block-sparse mask, block-causal only; CUDA, since
+            torch has no FlexAttention backward on CPU).
+        attention_mask: ``causal`` (every token attends to all earlier tokens of its window) or ``block_causal``
+            (only to earlier tokens of its own document; batches then carry ``document_ids``, see
+            ``llama_module.documents``).
+        rope_positions: under ``block_causal``: ``document`` (positions restart at each document) or ``window``.
     """
 
     def __init__(self, model: str | LlamaConfig | dict[str, Any] = "debug", vocab_size: int | None = None,
                  max_seq_len: int | None = None, lr: float = 8e-4, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.1, warmup_steps: int = 200, decay_steps: int | None = None,
-                 min_lr_ratio: float = 0.1, adamw: str = "auto", attention_kernel: str = "sdpa") -> None:
+                 min_lr_ratio: float = 0.1, adamw: str = "auto", attention_kernel: str = "sdpa",
+                 attention_mask: str = "causal", rope_positions: str = "document") -> None:
         super().__init__()
         config = get_flavor(model) if isinstance(model, str) else LlamaConfig.from_dict(model) \
             if isinstance(model, dict) else model
         overrides = {k: v for k, v in {"vocab_size": vocab_size, "max_seq_len": max_seq_len}.items() if v is not None}
         self.config = dataclasses.replace(config, **overrides)
-        check_attention_kernel(attention_kernel)
+        if attention_mask not in ATTENTION_MASKS or rope_positions not in ROPE_POSITIONS:
+            raise ValueError(f"attention_mask={attention_mask!r} must be one of {list(ATTENTION_MASKS)} and "
+                             f"rope_positions={rope_positions!r} one of {list(ROPE_POSITIONS)}.")
+        check_attention_kernel(attention_kernel, attention_mask)
         if adamw not in ADAMW_KERNELS:
             raise ValueError(f"adamw={adamw!r} must be one of {list(ADAMW_KERNELS)}.")
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
@@ -64,9 +75,12 @@ class LlamaModule(L.LightningModule):
                                    "vocab_size": vocab_size, "max_seq_len": max_seq_len, "lr": lr, "betas": list(betas),
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "decay_steps": decay_steps, "min_lr_ratio": min_lr_ratio,
-                                   "adamw": adamw, "attention_kernel": attention_kernel})
+                                   "adamw": adamw, "attention_kernel": attention_kernel,
+                                   "attention_mask": attention_mask, "rope_positions": rope_positions})
         self.adamw = adamw
         self.attention_kernel = attention_kernel
+        self.attention_mask = attention_mask
+        self.rope_positions = rope_positions
         self.model: Llama | None = None
 
     def configure_model(self) -> None:
@@ -74,7 +88,10 @@ class LlamaModule(L.LightningModule):
             return
         if self.attention_kernel == "fa4":
             self._check_fa4()
-        self.model = Llama(self.config, self.attention_kernel)
+        if self.attention_kernel == "flex" and self._root_device().type == "cpu":
+            raise ValueError("attention_kernel='flex' trains on CUDA only: torch has no FlexAttention backward on "
+                             "CPU. Use attention_kernel='sdpa' (a dense block-causal mask) on CPU.")
+        self.model = Llama(self.config, self.attention_kernel, self.attention_mask, self.rope_positions)
         if not any(p.is_meta for p in self.model.parameters()):
             self.model.init_weights()  # a strategy that builds on the meta device initializes later
 
@@ -85,17 +102,30 @@ class LlamaModule(L.LightningModule):
         if mesh is not None and "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:
             raise ValueError(f"attention_kernel='fa4' with context_parallel_size={mesh['cp'].size()}: ring attention "
                              "runs through torch's SDPA. Use attention_kernel='sdpa', or context_parallel_size=1.")
+        check_flash_attention4(self._root_device())
+
+    def _root_device(self) -> torch.device:
         # Lightning moves the module to its device only after configure_model: ask the strategy.
-        check_flash_attention4(self.trainer.strategy.root_device if self._trainer is not None else self.device)
+        return self.trainer.strategy.root_device if self._trainer is not None else self.device
 
     def parallel_plan(self) -> ParallelPlan:
         """Lets TitanStrategy parallelize the Llama (see ``llama_module.plan``)."""
         assert self.model is not None
         return llama_plan(self.model, log_loss=self.log_loss)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, document_ids: Tensor | None = None) -> Tensor:
         assert self.model is not None, "configure_model() builds the model"
-        return self.model(input_ids)
+        return self.model(input_ids, document_ids)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Under the block-causal mask a batch must say where its documents start: checked before the step,
+        on the whole batch (context parallelism cuts it later)."""
+        if self.attention_mask == "block_causal":
+            if not isinstance(batch, dict):
+                raise ValueError(f"attention_mask='block_causal' takes dict batches with 'input_ids' and "
+                                 f"'document_ids', not {type(batch).__name__}.")
+            check_document_ids(batch.get("document_ids"), batch["input_ids"])
+        return batch
 
     def compute_loss(self, logits: Tensor, labels: Tensor) -> TokenLoss:
         """Next-token cross-entropy summed over the labelled tokens, and their count (labels of -100 are ignored)."""
@@ -107,7 +137,8 @@ class LlamaModule(L.LightningModule):
 
     def _mean_loss(self, batch: Batch) -> Tensor:
         # The mean over every labelled token of the global batch (and, in training, of the accumulation window).
-        return token_mean(self, *self.compute_loss(self(batch["input_ids"]), batch["labels"]))
+        logits = self(batch["input_ids"], batch.get("document_ids"))
+        return token_mean(self, *self.compute_loss(logits, batch["labels"]))
 
     def flops_per_token(self, seq_len: int) -> int:
         """Model FLOPs of training on one token, what the ``Throughput`` callback's MFU counts (see ``LlamaConfig``)."""
@@ -138,7 +169,7 @@ class LlamaModule(L.LightningModule):
 
     def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
         """Next-token logits (bs, seqlen, vocab_size) of ``batch["input_ids"]``."""
-        return self(batch["input_ids"])
+        return self(batch["input_ids"], batch.get("document_ids"))
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

@@ -51,9 +51,9 @@ def llama_tp_styles(sequence_parallel: bool, loss_parallel: bool) -> dict[str, P
             "norm": SequenceParallel(),
             "layers.*.attention_norm": SequenceParallel(),
             "layers.*.ffn_norm": SequenceParallel(),
-            # The RoPE table (second input) is the same on every rank and stays a plain tensor.
-            "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                     desired_input_layouts=(Replicate(), None)),
+            # The RoPE table, the positions and the mask are the same on every rank and stay plain tensors.
+            "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                     desired_input_layouts=(Replicate(), None, None, None)),
             "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                                         desired_input_layouts=(Replicate(),)),
         }
@@ -64,12 +64,18 @@ def _sequence_length(batch: Any) -> int:
     return batch["input_ids"].shape[1]
 
 
+def _document_ids(batch: Any) -> dict[str, Tensor]:
+    return {"document_ids": batch["document_ids"]}
+
+
 def llama_plan(model: Llama, log_loss: Callable[[str, Tensor], None] | None = None) -> ParallelPlan:
     """FSDP units in forward order: the embedding, each block, then final norm and output together.
 
     Norm and output form one unit because they run back to back and the norm alone is tiny. Pipeline
     stages cut the blocks into runs; the embedding rides with the first, norm and output with the last.
     ``log_loss`` is how the LightningModule logs a stage's loss when the pipeline schedule runs its steps.
+    Under the block-causal mask every stage builds it from the microbatch's ``document_ids``, which every CP
+    rank keeps whole.
     """
     # Declared for the whole model: the strategy keeps, per pipeline stage, the units that stage holds.
     embedding, head = ("tok_embeddings",), ("norm", "output")
@@ -82,9 +88,12 @@ def llama_plan(model: Llama, log_loss: Callable[[str, Tensor], None] | None = No
         vocab_size=config.vocab_size,
         sequence_length=_sequence_length,
     )
-    pipeline = PipelinePlan(first_stage=embedding, last_stage=head, log_loss=log_loss)
-    # Attention is the one place tokens meet; RoPE rows follow their tokens' positions.
-    context_parallel = ContextParallelPlan(attention="layers.*.attention.sdpa", buffers={"rope.table": 0})
+    documents = model.documents.attention_mask == "block_causal"
+    pipeline = PipelinePlan(first_stage=embedding, last_stage=head, log_loss=log_loss,
+                            **({"stage_inputs": _document_ids} if documents else {}))
+    # Attention is the one place tokens meet; RoPE positions and the mask follow the tokens' window indices.
+    context_parallel = ContextParallelPlan(attention="layers.*.attention.sdpa", buffers={"documents.token_index": 0},
+                                           whole_batch={"document_ids": 1} if documents else {})
     return ParallelPlan(model=model, fsdp_units=units, init_weights=model.init_weights, blocks=blocks,
                         tensor_parallel=tensor_parallel, pipeline=pipeline, context_parallel=context_parallel,
                         float8_skip=("output",))

@@ -55,7 +55,7 @@ class _Lane:
 class GlobalWindows(IterableDataset):
     """This data-parallel rank's share of the global window order, as batches (see the module docstring).
 
-    Yields ``{"input_ids": [B, seq_len], "labels": [B, seq_len], "window_id": [B]}``; ``window_id`` is each window's
+    Yields ``{"input_ids", "labels", "document_ids": [B, seq_len], "window_id": [B]}``; ``window_id`` is each window's
     index in the global order.
 
     Args:
@@ -86,8 +86,8 @@ class GlobalWindows(IterableDataset):
             ids = range(first, first + self.batch_size)
             windows = [self._lane(w % self.lanes).window(w // self.lanes) for w in ids]
             self._next += self.global_batch  # before the yield: a state taken after this batch starts past it
-            yield {"input_ids": torch.stack([w["input_ids"] for w in windows]),
-                   "labels": torch.stack([w["labels"] for w in windows]), "window_id": torch.tensor(ids)}
+            stacked = {key: torch.stack([window[key] for window in windows]) for key in windows[0]}
+            yield {**stacked, "window_id": torch.tensor(ids)}
 
     def _lane(self, lane: int) -> _Lane:
         if lane not in self._lanes:

@@ -23,8 +23,10 @@ GLOBAL_BATCH = 8
 RTOL = 1e-5
 # 10 steps of the global batch, clipped at 1.0: the single-process run most parallel runs match. Its labels
 # end in uneven tails of -100, so every run that matches it weights each token, not each rank's or microbatch's
-# mean, the same as one process.
-BASE_RUN = RunSpec(steps=STEPS, batch_size=GLOBAL_BATCH, clip=1.0, padded_labels=True)
+# mean, the same as one process. Its samples hold documents of uneven lengths under the block-causal mask, as
+# pre-training runs: every layout builds the mask and the positions from each microbatch's document ids.
+BASE_RUN = RunSpec(steps=STEPS, batch_size=GLOBAL_BATCH, clip=1.0, padded_labels=True, documents=True,
+                   attention_mask="block_causal")
 # Trains, validates at steps 5 and 10, then runs trainer.test and trainer.predict (see assert_full_run_matches).
 FULL_RUN = dataclasses.replace(BASE_RUN, validate=True, val_every=5, evaluate=True)
 

@@ -38,12 +38,14 @@ class RunSpec:
     lr: float = 3e-3
     adamw: str = "auto"
     attention_kernel: str = "sdpa"
+    attention_mask: str = "causal"  # LlamaModule's
     # AffineSequences; TextDataModule's offline corpus; or AffineSequences through a user's stateful stream that
     # keeps a per-rank position (train_worker.RankStream, data parallelism only)
     data: Literal["affine", "text", "rank_stream"] = "affine"
     seq_len: int = 32
     samples: int = 512  # training sequences (affine data)
     padded_labels: bool = False  # uneven tails of -100 labels (AffineSequences(padded=True)), train and eval
+    documents: bool = False  # samples carry document_ids of documents of uneven lengths (AffineSequences)
     record_sample_ids: bool = False  # record which samples each batch held ("sample_ids" of each step's record)
 
     # The loop.

@@ -21,8 +21,17 @@ from titan_strategy.kernels.flash_attention4 import (
 
 @pytest.mark.unit
 def test_an_unknown_kernel_is_refused_with_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"attention_kernel='fa3' must be one of \['sdpa', 'fa4'\]"):
+    with pytest.raises(ValueError, match=r"attention_kernel='fa3' must be one of \['sdpa', 'fa4', 'flex'\]"):
         LlamaModule(attention_kernel="fa3")
+    with pytest.raises(ValueError, match=r"attention_kernel='fa4' takes attention_mask='causal' only .* Use "
+                                         r"attention_kernel='flex' for block-causal attention"):
+        LlamaModule(attention_kernel="fa4", attention_mask="block_causal")
+    with pytest.raises(ValueError, match=r"attention_kernel='flex' runs the block-causal mask; .* Use "
+                                         r"attention_mask='block_causal' or another kernel"):
+        LlamaModule(attention_kernel="flex")
+    with pytest.raises(ValueError, match=r"attention_mask='sliding' must be one of \['causal', 'block_causal'\] "
+                                         r"and rope_positions='global' one of \['document', 'window'\]"):
+        LlamaModule(attention_mask="sliding", rope_positions="global")
 
 
 @pytest.mark.multiprocess

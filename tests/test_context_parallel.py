@@ -42,6 +42,9 @@ from titan_strategy.parallelize.context_parallel import (
 )
 from titan_strategy.plan import ContextParallelPlan
 
+# Plain causal attention: what runs as ring attention (block-causal attention gathers keys and values).
+CAUSAL_FULL_RUN = replace(FULL_RUN, documents=False, attention_mask="causal")
+
 
 @pytest.fixture()
 def single_process(reference_run: ReferenceRun) -> Record:
@@ -53,23 +56,23 @@ def _cp(size: int, rotate: str = "allgather", **more: Any) -> dict[str, Any]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("nproc", "batch_ranks", "strategy"), [
-    (2, 1, _cp(2)),
-    (4, 1, _cp(4, "alltoall")),
-    (4, 2, _cp(2)),
-    (4, 1, _cp(2, tensor_parallel_size=2)),
-    (4, 1, _cp(2, "alltoall", tensor_parallel_size=2, sequence_parallel=False, loss_parallel=False)),
-    (4, 1, _cp(2, pipeline_parallel_size=2, pipeline_schedule="1F1B")),
+@pytest.mark.parametrize(("nproc", "batch_ranks", "strategy", "run"), [
+    (2, 1, _cp(2), FULL_RUN),
+    (4, 1, _cp(4, "alltoall"), CAUSAL_FULL_RUN),
+    (4, 2, _cp(2), FULL_RUN),
+    (4, 1, _cp(2, tensor_parallel_size=2), FULL_RUN),
+    (4, 1, _cp(2, "alltoall", tensor_parallel_size=2, sequence_parallel=False, loss_parallel=False), CAUSAL_FULL_RUN),
+    (4, 1, _cp(2, pipeline_parallel_size=2, pipeline_schedule="1F1B"), FULL_RUN),
     # Ring attention inside compiled blocks, recomputed in backward.
-    (2, 1, _cp(2, activation_checkpointing="full", compile=True)),
-], ids=["cp2", "cp4-alltoall", "fsdp2xcp2", "tp2xcp2", "tp2xcp2-plain-alltoall", "pp2xcp2",
-        "cp2-full-ac-compiled"])
-def test_matches_single_process(nproc: int, batch_ranks: int, strategy: dict, single_process: Record, tmp_path: Path,
-                                test_env: dict[str, str]) -> None:
+    (2, 1, _cp(2, activation_checkpointing="full", compile=True), CAUSAL_FULL_RUN),
+], ids=["cp2-block-causal", "cp4-alltoall-causal", "fsdp2xcp2-block-causal", "tp2xcp2-block-causal",
+        "tp2xcp2-plain-alltoall-causal", "pp2xcp2-block-causal", "cp2-full-ac-compiled-causal"])
+def test_matches_single_process(nproc: int, batch_ranks: int, strategy: dict, run: RunSpec,
+                                reference_run: ReferenceRun, tmp_path: Path, test_env: dict[str, str]) -> None:
     # A cold inductor cache makes the compiled run's first step slow on every rank.
     timeout = 300 if strategy.get("compile") else 60
-    spec = replace(FULL_RUN, batch_size=GLOBAL_BATCH // batch_ranks, strategy=strategy, timeout_seconds=timeout)
-    assert_full_run_matches(launch(nproc, spec, tmp_path, test_env), single_process)
+    spec = replace(run, batch_size=GLOBAL_BATCH // batch_ranks, strategy=strategy, timeout_seconds=timeout)
+    assert_full_run_matches(launch(nproc, spec, tmp_path, test_env), reference_run(run))
 
 
 @pytest.mark.multiprocess
@@ -132,7 +135,8 @@ def test_a_plan_without_cp_is_refused() -> None:
 
 
 class _MaskedAttention(nn.Module):
-    """Attention with an explicit mask, or non-causal: what ring attention over load-balanced shards cannot do."""
+    """Attention with an explicit mask (which CP runs on gathered keys and values), or non-causal (which ring
+    attention over load-balanced shards cannot do)."""
 
     def __init__(self, causal: bool) -> None:
         super().__init__()
@@ -167,9 +171,13 @@ def test_attention_cp_cannot_shard_is_refused(cp_mesh_of_one: Any) -> None:
     for holder in (masked, non_causal):
         apply_cp(holder, cp_mesh_of_one, plan)
     with ring_attention("allgather"):
-        with pytest.raises(ValueError, match=r"called with 4 positional and \[\] keyword arguments. Attention with a "
-                                             "mask or other extra inputs cannot be split"):
-            masked.attention(*qkv, torch.ones(8, 8, dtype=torch.bool))
+        mask = torch.ones(8, 8, dtype=torch.bool)
+        with pytest.raises(ValueError, match=r"as attention of \(query, key, value\[, mask\]\), but it was called "
+                                             r"with 3 positional and \['mask'\] keyword arguments"):
+            masked.attention(*qkv, mask=mask)
+        # Under a mask the keys and values are gathered whole: on a ring of one, plain masked attention.
+        torch.testing.assert_close(non_causal.attention(*qkv, mask),
+                                   F.scaled_dot_product_attention(*qkv, attn_mask=mask))
         with pytest.raises(ValueError, match=r"shards causal attention only \(is_causal=True, no attn_mask\)"):
             non_causal.attention(*qkv)
     with pytest.raises(ValueError, match=r"attention='attn\.\*' matches no submodule of _Holder"):

@@ -56,6 +56,22 @@ def test_windows_are_shifted_slices_of_the_document_stream() -> None:
         assert window["labels"].tolist() == stream[6 * i + 1 : 6 * i + 6]
 
 
+def test_training_batches_number_their_documents_and_can_mask_the_boundary_labels(numbered_corpus: Path) -> None:
+    plain, masked = (_module(str(numbered_corpus), mask_boundary_labels=mask) for mask in (False, True))
+    for module in (plain, masked):
+        module.setup("fit")
+    bos = plain.tokenizer.bos_id
+    for batch, masked_batch in zip(plain.train_dataloader(), masked.train_dataloader()):
+        ids, labels = batch["document_ids"], batch["labels"]
+        # a new document id exactly where a BOS token starts a document
+        starts = torch.cat([torch.zeros_like(ids[:, :1]), ids.diff(dim=1)], dim=1)
+        assert torch.equal(starts, (batch["input_ids"] == bos).long() * (torch.arange(16) > 0))
+        crossing = torch.cat([ids.diff(dim=1) != 0, labels[:, -1:] == bos], dim=1)
+        assert torch.equal(crossing, labels == bos) and crossing.any()
+        assert torch.equal(masked_batch["labels"], labels.masked_fill(crossing, -100))
+        break
+
+
 def test_data_parallel_ranks_read_disjoint_shares_and_replicas_read_the_same(numbered_corpus: Path) -> None:
     rank0 = _document_numbers(_module(str(numbered_corpus), rank=0, world=2))
     rank1 = _document_numbers(_module(str(numbered_corpus), rank=1, world=2))

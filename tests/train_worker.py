@@ -48,12 +48,15 @@ class AffineSequences(Dataset):
 
     With ``padded`` the labels of sample i end in a tail of (11 i mod 3/4 of seq_len) labels of -100, so the
     samples of a batch, and the ranks and microbatches that split it, hold uneven numbers of labelled tokens.
+    With ``documents`` each sample is cut into documents of 3 to 11 tokens, in a pattern that differs from
+    sample to sample, and says so in ``document_ids``.
     """
 
     def __init__(self, count: int, seq_len: int, vocab: int, seed: int = 1234, with_ids: bool = False,
-                 padded: bool = False) -> None:
+                 padded: bool = False, documents: bool = False) -> None:
         self.with_ids = with_ids  # each sample also carries its index, "sample_id", for tests that check the order
         self.padded = padded
+        self.documents = documents
         starts = torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed))
         tokens = [starts]
         for _ in range(seq_len):
@@ -69,7 +72,18 @@ class AffineSequences(Dataset):
         if self.padded:
             labels[len(labels) - (11 * index) % (3 * len(labels) // 4):] = -100
         sample = {"input_ids": window[:-1], "labels": labels}
+        if self.documents:
+            sample["document_ids"] = self._document_ids(index, len(labels))
         return {**sample, "sample_id": torch.tensor(index)} if self.with_ids else sample
+
+
+    @staticmethod
+    def _document_ids(index: int, seq_len: int) -> torch.Tensor:
+        lengths, total = [], 0
+        while total < seq_len:
+            lengths.append(3 + (5 * index + 3 * len(lengths)) % 9)
+            total += lengths[-1]
+        return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:seq_len]
 
 
 class RankStream(IterableDataset):
@@ -137,10 +151,15 @@ def _pipeline_runner(trainer: L.Trainer) -> Any:
     return runtime.pipeline if runtime is not None else None
 
 
+def _validation_loader(spec: RunSpec) -> DataLoader:
+    sequences = AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99, padded=spec.padded_labels,
+                                documents=spec.documents)
+    return DataLoader(sequences, batch_size=spec.batch_size)
+
+
 def _evaluate(trainer: L.Trainer, model: L.LightningModule, spec: RunSpec) -> dict[str, Any]:
     """trainer.test and trainer.predict after fit, on the validation sequences."""
-    loader = DataLoader(AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99, padded=spec.padded_labels),
-                        batch_size=spec.batch_size)
+    loader = _validation_loader(spec)
     [tested] = trainer.test(model, dataloaders=loader, verbose=False)
     predictions = trainer.predict(model, dataloaders=loader)
     return {"test_loss": tested["test_loss"],
@@ -348,7 +367,7 @@ def main(spec: RunSpec, out_dir: Path) -> None:
     module_cls = SelfShardedLlama if spec.self_sharded else \
         DefaultPipelineLoss if spec.default_pipeline_loss else LlamaModule
     model_args = {"lr": spec.lr, "warmup_steps": 2, "decay_steps": 100, "adamw": spec.adamw,
-                  "attention_kernel": spec.attention_kernel}
+                  "attention_kernel": spec.attention_kernel, "attention_mask": spec.attention_mask}
     if spec.data == "text":
         model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "vocab_size": 8448}), **model_args)
         data = TextDataModule(source="offline", seq_len=32, batch_size=spec.batch_size, val_batches=0)
@@ -357,15 +376,14 @@ def main(spec: RunSpec, out_dir: Path) -> None:
         n_layers = TINY.n_layers if spec.n_layers is None else spec.n_layers
         model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "n_layers": n_layers, **spec.model}), **model_args)
         samples = AffineSequences(spec.samples, spec.seq_len, TINY.vocab_size, with_ids=spec.record_sample_ids,
-                                  padded=spec.padded_labels)
+                                  padded=spec.padded_labels, documents=spec.documents)
         if spec.data == "rank_stream":  # a pure data-parallel run: the process's rank is its data-parallel rank
             stream = RankStream(samples, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
             loader = StatefulLoader(stream, batch_size=spec.batch_size)
         else:
             loader = DataLoader(samples, batch_size=spec.batch_size)
-        val_loader = DataLoader(AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99, padded=spec.padded_labels),
-                                batch_size=spec.batch_size)
-        trainer.fit(model, train_dataloaders=loader, val_dataloaders=val_loader, ckpt_path=spec.resume_from)
+        trainer.fit(model, train_dataloaders=loader, val_dataloaders=_validation_loader(spec),
+                    ckpt_path=spec.resume_from)
     result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
               "hook_calls": recorder.hook_calls,
               "training_mode_after_validation": recorder.training_mode_after_validation,

@@ -58,6 +58,8 @@ class PipelinePlan:
         first_stage: modules only the first stage holds (e.g. the token embedding).
         last_stage: modules only the last stage holds (e.g. final norm and output projection).
         split_batch: ``batch -> (first stage input, loss target)``.
+        stage_inputs: ``batch -> {keyword: tensor}``, what every stage's forward takes besides its input (such
+            as the document ids an attention mask is built from); each tensor is split into microbatches on dim 0.
         log_loss: ``(stage, loss) -> None``, how the module logs the loss of a step (``stage`` is "train", "val"
             or "test"). The schedule runs in place of the module's ``*_step``, so the module says here what its
             steps would have logged; PP refuses a plan without it.
@@ -66,6 +68,7 @@ class PipelinePlan:
     first_stage: tuple[str, ...]
     last_stage: tuple[str, ...]
     split_batch: Callable[[Any], tuple[Tensor, Tensor | None]] = input_ids_and_labels
+    stage_inputs: Callable[[Any], dict[str, Tensor]] = lambda batch: {}
     log_loss: Callable[[str, Tensor], None] | None = None
 
 
@@ -79,12 +82,15 @@ class ContextParallelPlan:
 
     Attributes:
         attention: pattern of the modules that compute attention (``"layers.*.attention.sdpa"``).
-            Their ``forward(query, key, value)`` takes ``(batch, heads, seq, head_dim)`` tensors and
-            calls ``F.scaled_dot_product_attention(query, key, value, is_causal=True)``; no other
-            inputs (a mask cannot be split this way).
-        buffers: model buffers indexed by token position, ``{name: sequence dim}`` (the RoPE table);
-            during a step each rank sees the rows of its own tokens.
-        batch: batch entries with a sequence dim, ``{key: sequence dim}``.
+            Their ``forward(query, key, value, mask=None)`` takes ``(batch, heads, seq, head_dim)`` tensors.
+            Without a mask it calls ``F.scaled_dot_product_attention(query, key, value, is_causal=True)``,
+            which becomes ring attention. With one, the mask covers this rank's queries and every key of the
+            sequence, in order: the rank then gets the whole key and value, gathered from every rank.
+        buffers: model buffers indexed by token position, ``{name: sequence dim}`` (the window index of each
+            token); during a step each rank sees the rows of its own tokens.
+        batch: batch entries cut to each rank's tokens, ``{key: sequence dim}``.
+        whole_batch: batch entries every rank keeps whole (what a mask over all keys is built from),
+            ``{key: sequence dim}``; their sequence length must be the batch's.
         prediction_seq_dim: the sequence dim of the tensor ``predict_step`` returns; each CP rank
             predicts its own tokens and the strategy gathers the whole sequence back.
     """
@@ -92,6 +98,7 @@ class ContextParallelPlan:
     attention: str
     buffers: dict[str, int] = field(default_factory=dict)
     batch: dict[str, int] = field(default_factory=lambda: {"input_ids": 1, "labels": 1})
+    whole_batch: dict[str, int] = field(default_factory=dict)
     prediction_seq_dim: int = 1
 
 

@@ -30,12 +30,12 @@ ACMode = Literal["none", "full", "selective_op", "selective_layer"]
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
-# Attention outputs are always kept. One name per SDPA backend (CPU, flash, memory-efficient, cuDNN), and
-# FlashAttention-4's op.
+# Attention outputs are always kept. One name per SDPA backend (CPU, flash, memory-efficient, cuDNN),
+# FlashAttention-4's op and FlexAttention's.
 _ATTENTION = {getattr(_aten, name).default for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-) if hasattr(_aten, name)} | {torch.ops.titan.flash_attention4.default}
+) if hasattr(_aten, name)} | {torch.ops.titan.flash_attention4.default, torch.ops.higher_order.flex_attention}
 # Float8 matmuls count as matmuls when torchao's float8 training is on.
 if hasattr(_aten, "_scaled_mm"):
     _MATMULS.add(_aten._scaled_mm.default)

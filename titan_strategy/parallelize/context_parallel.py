@@ -8,7 +8,9 @@ over the ``cp`` mesh. Inside ``ring_attention()`` DTensor runs scaled dot-produc
 tensors as torch's ring attention: queries stay, key/value shards travel round the ring (all-gathered
 or passed on by all-to-all, the rotate method), and partial results are merged by their logsumexp.
 torch registers that for its CUDA kernels (flash, memory-efficient, cuDNN); the CPU kernel, which torch
-leaves out, is registered here the same way. The per-step work (cutting the batch and the
+leaves out, is registered here the same way. Attention under a mask (block-causal documents) is not split
+into ring steps: the mask covers this rank's queries and all keys, so each rank gathers every key and value
+(as torch's own FlexAttention CP does) and attends locally. The per-step work (cutting the batch and the
 position-indexed buffers, gathering predictions) is ``SequenceSharder``'s.
 """
 
@@ -24,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -42,6 +45,8 @@ __all__ = ["ContextParallelConfig", "RotateMethod", "SequenceSharder", "apply_cp
 log = logging.getLogger(__name__)
 
 RotateMethod = Literal["allgather", "alltoall"]
+# torch 2.13 renamed it (the old name warns there); torch 2.11 may only have the old one.
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 _SEQ_DIM = 2  # of the (batch, heads, seq, head_dim) tensors attention sees
 _aten = torch.ops.aten
 
@@ -89,19 +94,35 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, plan: ContextParallelPlan) -
 
 
 def _to_sequence_shards(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    if kwargs or len(args) != 3 or not all(isinstance(arg, Tensor) for arg in args):
+    mask = args[3] if len(args) == 4 else None
+    if kwargs or len(args) not in (3, 4) or not all(isinstance(arg, Tensor) for arg in args[:3]):
         raise ValueError(
-            f"Context parallelism runs {type(module).__name__} as causal ring attention of (query, key, value), but "
-            f"it was called with {len(args)} positional and {sorted(kwargs)} keyword arguments. Attention with a "
-            "mask or other extra inputs cannot be split across sequence shards; set context_parallel_size=1."
+            f"Context parallelism runs {type(module).__name__} as attention of (query, key, value[, mask]), but it "
+            f"was called with {len(args)} positional and {sorted(kwargs)} keyword arguments; call it that way, "
+            "or set context_parallel_size=1."
         )
-    query, key, value = args
+    query, key, value = args[:3]
+    if mask is not None:
+        # The mask covers this rank's queries and every key, in the sequence's order: gather keys and values
+        # (their gradients are reduce-scattered back) and attend locally.
+        key, value = (_in_order(_all_gather_autograd(t.contiguous(), _SEQ_DIM, mesh.get_group()),
+                                mesh.size(), _SEQ_DIM) for t in (key, value))
+        return (query, key, value, mask), {}
     # Grouped-query attention: torch's ring attention expects as many key/value heads as query heads,
     # so each kv head is repeated for the query heads it serves, as the kernels would do themselves.
     groups = query.size(1) // key.size(1)
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     return tuple(DTensor.from_local(t, mesh, (Shard(_SEQ_DIM),), run_check=False) for t in (query, key, value)), {}
+
+
+def _in_order(gathered: Tensor, cp: int, dim: int) -> Tensor:
+    """Every rank's two chunks, concatenated rank by rank, back in sequence order (``SequenceSharder.shard``'s
+    inverse): rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``."""
+    pairs = gathered.chunk(cp, dim)
+    heads = [pair.chunk(2, dim)[0] for pair in pairs]
+    tails = [pair.chunk(2, dim)[1] for pair in reversed(pairs)]
+    return torch.cat(heads + tails, dim=dim)
 
 
 def _to_local(module: nn.Module, args: tuple, output: Any) -> Any:
@@ -212,17 +233,16 @@ class SequenceSharder:
         """The inverse of ``shard`` across the CP ranks: every rank gets the whole sequence, in order (no autograd)."""
         pairs = [torch.empty_like(tensor) for _ in range(self._size)]
         dist.all_gather(pairs, tensor.contiguous(), group=self.mesh.get_group())
-        heads = [pair.chunk(2, dim)[0] for pair in pairs]
-        tails = [pair.chunk(2, dim)[1] for pair in reversed(pairs)]
-        return torch.cat(heads + tails, dim=dim)
+        return _in_order(torch.cat(pairs, dim=dim), self._size, dim)
 
     def sequence_length(self, batch: Any) -> int:
         if not isinstance(batch, Mapping):
             raise TypeError(f"Context parallelism cuts the batch entries {sorted(self.plan.batch)} on their sequence "
                             f"dim, so the batch must be a mapping, not {type(batch).__name__}.")
-        lengths = {key: batch[key].shape[dim] for key, dim in self.plan.batch.items() if key in batch}
+        entries = {**self.plan.batch, **self.plan.whole_batch}
+        lengths = {key: batch[key].shape[dim] for key, dim in entries.items() if key in batch}
         if len(set(lengths.values())) != 1:
-            raise ValueError(f"Context parallelism needs the batch entries {sorted(self.plan.batch)} with one sequence "
+            raise ValueError(f"Context parallelism needs the batch entries {sorted(entries)} with one sequence "
                              f"length; got {lengths or 'none of them'}.")
         return next(iter(lengths.values()))
 

@@ -72,15 +72,18 @@ class _ForwardPipeline:
         self._device = device
         self._rank = dist.get_rank(group)
 
-    def run(self, inputs: Tensor | None) -> list[Any]:
-        """Outputs of the last stage per microbatch (empty on ranks without it)."""
+    def run(self, inputs: Tensor | None, stage_inputs: dict[str, Tensor]) -> list[Any]:
+        """Outputs of the last stage per microbatch (empty on ranks without it); every stage's forward also gets
+        its microbatch's share of ``stage_inputs``."""
         microbatches = self._layout.microbatches
         carried: list[Any] = list(inputs.tensor_split(microbatches)) if inputs is not None else []
+        extra = [{key: value.tensor_split(microbatches)[i] for key, value in stage_inputs.items()}
+                 for i in range(microbatches)]
         sends: list[tuple[dist.Work, Tensor]] = []  # each send's buffer lives until its wait
         previous = -1
         for stage, module in self._stages:
             local_input = stage == 0 or previous == stage - 1
-            outputs = [module(carried[i] if local_input else self._recv(self._layout.ranks[stage - 1]))
+            outputs = [module(carried[i] if local_input else self._recv(self._layout.ranks[stage - 1]), **extra[i])
                        for i in range(microbatches)]
             next_rank = self._layout.ranks[stage + 1] if stage + 1 < self._layout.num_stages else self._rank
             if next_rank != self._rank:
@@ -188,7 +191,9 @@ class PipelineRunner:
         self._loss_scale = 1.0 / (self.layout.microbatches * accumulate)
         args = (inputs,) if self._holds_first else ()
         losses: list[Tensor] = []
-        self._schedule.step(*args, **({"target": target, "losses": losses} if self._holds_last else {}))
+        # The schedule splits keyword inputs into microbatches and hands them to every stage's forward.
+        self._schedule.step(*args, **self._plan.stage_inputs(batch),
+                            **({"target": target, "losses": losses} if self._holds_last else {}))
         self._set_aside = [(p, p.grad) for p in self._parameters if p.grad is not None]
         for param, _ in self._set_aside:
             param.grad = None
@@ -209,7 +214,7 @@ class PipelineRunner:
         self._enter_evaluation()
         inputs, target = self._split(batch)
         self._loss_scale = 1.0 / self.layout.microbatches
-        outputs = self._forward_only.run(inputs if self._holds_first else None)
+        outputs = self._forward_only.run(inputs if self._holds_first else None, self._plan.stage_inputs(batch))
         targets = target.tensor_split(self.layout.microbatches) if self._holds_last else []
         for output, microbatch_target in zip(outputs, targets):
             self._scaled_loss(output, microbatch_target)
@@ -220,7 +225,7 @@ class PipelineRunner:
         """Forward only; returns the last stage's output for the batch, on every pp rank."""
         self._enter_evaluation()
         inputs, _ = self._split(batch)
-        outputs = self._forward_only.run(inputs if self._holds_first else None)
+        outputs = self._forward_only.run(inputs if self._holds_first else None, self._plan.stage_inputs(batch))
         merged = torch.cat([as_local_loss(out) for out in outputs]) if self._holds_last else None
         return self._broadcast_output(merged)
 
