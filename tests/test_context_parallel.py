@@ -255,3 +255,21 @@ def test_ring_attention_runs_every_cuda_kernel(kernel: str, cuda_cp_mesh_of_one:
     torch.testing.assert_close(out, expected_out, rtol=2e-2, atol=2e-2)
     for t, grad in zip(qkv, expected):
         torch.testing.assert_close(t.grad, grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="checks the NCCL all-gather of the masked path")
+def test_masked_attention_gathers_keys_and_values_over_nccl(cuda_cp_mesh_of_one: Any) -> None:
+    """Block-causal CP gathers keys and values with torch's autograd all-gather, named differently in 2.11 and 2.13."""
+    holder = _Holder(causal=False)
+    apply_cp(holder, cuda_cp_mesh_of_one, ContextParallelPlan(attention="attention"))
+    qkv = [torch.randn(2, 4, 64, 16, device="cuda", requires_grad=True) for _ in range(3)]
+    mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
+    expected = F.scaled_dot_product_attention(*qkv, attn_mask=mask)
+    expected_grads = torch.autograd.grad(expected.square().sum(), qkv)
+    with ring_attention("allgather"):
+        out = holder.attention(*qkv, mask)
+        grads = torch.autograd.grad(out.square().sum(), qkv)
+    torch.testing.assert_close(out, expected)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad)

@@ -20,7 +20,7 @@ from titan_strategy.parallelize.activation_checkpoint import apply_ac
 from titan_strategy.parallelize.compile import apply_compile
 from titan_strategy.token_loss import token_cross_entropy
 
-TINY = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=128, max_seq_len=64)
+TINY = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=128, max_seq_len=64)
 LENGTHS = (5, 11, 1, 15)  # uneven, one of a single token; 32 tokens in all
 
 

@@ -426,8 +426,7 @@ class TitanStrategy(ParallelStrategy):
         self.checkpoint_io.flush()
         loaded = load_dcp_checkpoint(
             Path(self.broadcast(str(checkpoint_path))), self.lightning_module, self.optimizers, self._rank_place(),
-            strict=self.lightning_module.strict_loading, weights_only=weights_only, group=self._groups.checkpoint,
-        )
+            strict=self.lightning_module.strict_loading, weights_only=weights_only, group=self._groups.checkpoint)
         self._resumed_rng.loaded(loaded.rng_states, loaded.rng_before_next_epoch, self.root_device)
         self._training_position.load(loaded.lightning)
         return loaded.lightning

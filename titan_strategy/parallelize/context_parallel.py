@@ -45,7 +45,7 @@ __all__ = ["ContextParallelConfig", "RotateMethod", "SequenceSharder", "apply_cp
 log = logging.getLogger(__name__)
 
 RotateMethod = Literal["allgather", "alltoall"]
-# torch 2.13 renamed it (the old name warns there); torch 2.11 may only have the old one.
+# torch 2.13 renamed it (the old name warns there); torch 2.11 has only the old name.
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 _SEQ_DIM = 2  # of the (batch, heads, seq, head_dim) tensors attention sees
 _aten = torch.ops.aten
