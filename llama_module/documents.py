@@ -23,7 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 
 __all__ = ["ATTENTION_MASKS", "AttentionMask", "DocumentMasking", "RopePositions", "check_document_ids",
-           "flex_attention"]
+           "check_masking", "flex_attention"]
 
 AttentionMask = Tensor | BlockMask
 AttentionMaskKind = Literal["causal", "block_causal"]
@@ -39,6 +39,14 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, mask: BlockMask) -
     the block's compilation takes it in."""
     attend = _flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention
     return attend(query, key, value, block_mask=mask, enable_gqa=query.size(1) != key.size(1))
+
+
+def check_masking(attention_mask: str, rope_positions: str) -> None:
+    """A ValueError naming the allowed values, for an unknown mask or RoPE-position rule."""
+    if attention_mask not in ATTENTION_MASKS:
+        raise ValueError(f"attention_mask={attention_mask!r} must be one of {list(ATTENTION_MASKS)}.")
+    if rope_positions not in ROPE_POSITIONS:
+        raise ValueError(f"rope_positions={rope_positions!r} must be one of {list(ROPE_POSITIONS)}.")
 
 
 def check_document_ids(document_ids: Tensor | None, input_ids: Tensor | None = None) -> Tensor:
@@ -82,10 +90,7 @@ class DocumentMasking(nn.Module):
     def __init__(self, max_seq_len: int, attention_mask: str = "causal", kernel: str = "sdpa",
                  rope_positions: str = "document") -> None:
         super().__init__()
-        if attention_mask not in ATTENTION_MASKS:
-            raise ValueError(f"attention_mask={attention_mask!r} must be one of {list(ATTENTION_MASKS)}.")
-        if rope_positions not in ROPE_POSITIONS:
-            raise ValueError(f"rope_positions={rope_positions!r} must be one of {list(ROPE_POSITIONS)}.")
+        check_masking(attention_mask, rope_positions)
         self.max_seq_len = max_seq_len
         self.attention_mask = attention_mask
         self.kernel = kernel

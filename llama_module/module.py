@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from llama_module.args import LlamaConfig, get_flavor
-from llama_module.documents import ATTENTION_MASKS, ROPE_POSITIONS, check_document_ids
+from llama_module.documents import check_document_ids, check_masking
 from llama_module.model import Llama, check_attention_kernel
 from llama_module.plan import llama_plan
 from titan_strategy import ParallelPlan, log_step_metric
@@ -62,9 +62,7 @@ class LlamaModule(L.LightningModule):
             if isinstance(model, dict) else model
         overrides = {k: v for k, v in {"vocab_size": vocab_size, "max_seq_len": max_seq_len}.items() if v is not None}
         self.config = dataclasses.replace(config, **overrides)
-        if attention_mask not in ATTENTION_MASKS or rope_positions not in ROPE_POSITIONS:
-            raise ValueError(f"attention_mask={attention_mask!r} must be one of {list(ATTENTION_MASKS)} and "
-                             f"rope_positions={rope_positions!r} one of {list(ROPE_POSITIONS)}.")
+        check_masking(attention_mask, rope_positions)
         check_attention_kernel(attention_kernel, attention_mask)
         if adamw not in ADAMW_KERNELS:
             raise ValueError(f"adamw={adamw!r} must be one of {list(ADAMW_KERNELS)}.")
@@ -117,15 +115,17 @@ class LlamaModule(L.LightningModule):
         assert self.model is not None, "configure_model() builds the model"
         return self.model(input_ids, document_ids)
 
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Under the block-causal mask a batch must say where its documents start: checked before the step,
-        on the whole batch (context parallelism cuts it later)."""
+    def check_batch(self, batch: Any, *args: Any) -> None:
+        """Under the block-causal mask a batch must say where its documents start: checked by every loop's
+        batch-start hook, before the step, on the whole batch (context parallelism cuts it later). Not in
+        ``on_after_batch_transfer``, which a user's DataModule may override and so switch off."""
         if self.attention_mask == "block_causal":
             if not isinstance(batch, dict):
                 raise ValueError(f"attention_mask='block_causal' takes dict batches with 'input_ids' and "
                                  f"'document_ids', not {type(batch).__name__}.")
             check_document_ids(batch.get("document_ids"), batch["input_ids"])
-        return batch
+
+    on_train_batch_start = on_validation_batch_start = on_test_batch_start = on_predict_batch_start = check_batch
 
     def compute_loss(self, logits: Tensor, labels: Tensor) -> TokenLoss:
         """Next-token cross-entropy summed over the labelled tokens, and their count (labels of -100 are ignored)."""

@@ -3,12 +3,15 @@ with every kernel; the batch's document ids, boundary labels and bad input."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
+import lightning.pytorch as L
 import pytest
 import torch
 import torch._dynamo
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from llama_module import LlamaModule
 from llama_module.args import LlamaConfig
@@ -120,10 +123,35 @@ def test_bad_document_ids_fail_before_the_step_with_the_fix() -> None:
         ({"input_ids": tokens, "document_ids": tokens[:, :4]},
          r"document_ids has shape \(2, 4\), but input_ids has \(2, 8\); give one document id per input token"),
     ]
-    for batch, message in cases:
+    hooks = [module.on_train_batch_start, module.on_validation_batch_start, module.on_test_batch_start,
+             module.on_predict_batch_start]
+    for (batch, message), hook in itertools.product(cases, hooks):
         with pytest.raises(ValueError, match=message):
-            module.on_after_batch_transfer(batch, 0)
-    assert LlamaModule(model=TINY).on_after_batch_transfer({"input_ids": tokens}, 0)  # causal needs none
+            hook(batch, 0)
+    LlamaModule(model=TINY).on_train_batch_start({"input_ids": tokens}, 0)  # causal needs none
+
+
+class _OwnTransfer(L.LightningDataModule):
+    """A user's DataModule with its own ``on_after_batch_transfer`` and ``document_ids`` half as long as the
+    windows (which only the batch-start check names: the model alone would fail somewhere in attention)."""
+
+    def train_dataloader(self) -> DataLoader:
+        tokens = torch.zeros(4, 9, dtype=torch.long)
+        return DataLoader([{"input_ids": t[:-1], "labels": t[1:], "document_ids": t[:4]} for t in tokens],
+                          batch_size=2)
+
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        return batch
+
+
+@pytest.mark.unit
+def test_a_trainer_refuses_mismatched_document_ids_before_the_first_step(tmp_path: Path) -> None:
+    module = LlamaModule(model=TINY, attention_mask="block_causal")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, default_root_dir=tmp_path, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"document_ids has shape \(2, 4\), but input_ids has \(2, 8\)"):
+        trainer.fit(module, _OwnTransfer())
+    assert trainer.global_step == 0
 
 
 @pytest.mark.multiprocess

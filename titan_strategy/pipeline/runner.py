@@ -77,8 +77,8 @@ class _ForwardPipeline:
         its microbatch's share of ``stage_inputs``."""
         microbatches = self._layout.microbatches
         carried: list[Any] = list(inputs.tensor_split(microbatches)) if inputs is not None else []
-        extra = [{key: value.tensor_split(microbatches)[i] for key, value in stage_inputs.items()}
-                 for i in range(microbatches)]
+        split_inputs = {key: value.tensor_split(microbatches) for key, value in stage_inputs.items()}
+        extra = [{key: pieces[i] for key, pieces in split_inputs.items()} for i in range(microbatches)]
         sends: list[tuple[dist.Work, Tensor]] = []  # each send's buffer lives until its wait
         previous = -1
         for stage, module in self._stages:
