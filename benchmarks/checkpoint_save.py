@@ -26,11 +26,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from throughput import RandomTokens
 from torch.utils.data import DataLoader
 
 from llama_module import LlamaModule
 from llama_module.args import get_flavor
+from llama_module.synthetic import RandomTokens
 from titan_strategy import CHECKPOINT_MODES, TitanStrategy
 
 

@@ -20,11 +20,11 @@ import statistics
 
 import lightning as L
 import torch
-from throughput import RandomTokens
 from torch.utils.data import DataLoader
 
 from llama_module import LlamaModule
 from llama_module.args import get_flavor
+from llama_module.synthetic import RandomTokens
 from titan_strategy import Throughput, TitanStrategy
 
 

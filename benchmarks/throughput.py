@@ -15,7 +15,7 @@ what Lightning and the strategy's hooks cost, measured side by side.
 Shapes: ``1B`` is the Llama-3.2-1B shape (dim 2048, 16 layers, untied output), seq 8192, batch 2;
 ``8B-width`` is Llama-3-8B's width (dim 4096, ffn 14336) with 16 layers, seq 8192, batch 1. Random
 tokens (the data path is not measured); with ``--attention-mask block_causal`` each window is cut into
-documents whose lengths are drawn from 40 real C4 documents' (``c4_document_lengths.json``). bf16-mixed (on one
+documents whose lengths are drawn from 40 real C4 documents' (``llama_module/synthetic.py``). bf16-mixed (on one
 GPU the strategy does not wrap the model in FSDP: with TritonAdamW the weights are bf16 with fp32 masters,
 with torch's AdamW autocast casts them).
 MFU counts ``LlamaModule.flops_per_token`` (recomputation not counted) over the device's dense bf16 peak; under
@@ -42,10 +42,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.autograd import DeviceType
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from llama_module import LlamaModule
 from llama_module.args import get_flavor
+from llama_module.synthetic import RandomTokens, document_ids
 from titan_strategy import Throughput, TitanStrategy
 from titan_strategy.callbacks.throughput import peak_tflops_of
 from titan_strategy.config import TitanConfig
@@ -67,36 +68,11 @@ MATRICES = {
 }
 
 
-C4_LENGTHS = json.loads((Path(__file__).parent / "c4_document_lengths.json").read_text())["lengths"]
-
-
-def document_ids(index: int, seq_len: int) -> torch.Tensor:
-    """Window ``index`` cut into documents of C4's lengths, drawn at random (the first starts partway in)."""
-    generator = torch.Generator().manual_seed(index)
-    draws = torch.randint(0, len(C4_LENGTHS), (seq_len,), generator=generator)
-    lengths = torch.tensor(C4_LENGTHS)[draws]
-    lengths[0] = torch.randint(1, int(lengths[0]) + 1, (), generator=generator)
-    return torch.repeat_interleave(torch.arange(seq_len), lengths)[:seq_len]
-
-
 def attended_seq_len(seq_len: int, samples: int = 64) -> float:
     """The sequence length that counts as many attention FLOPs as the block-causal mask leaves: the mean over
     windows of sum(document length ^ 2) / seq_len (``flops_per_token`` counts the full score matrix)."""
     counts = [torch.bincount(document_ids(i, seq_len)).double() for i in range(samples)]
     return float(sum((c * c).sum() for c in counts) / (samples * seq_len))
-
-
-class RandomTokens(Dataset):
-    def __init__(self, length: int, seq_len: int, vocab: int, documents: bool = False) -> None:
-        self.length, self.seq_len, self.vocab, self.documents = length, seq_len, vocab, documents
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        tokens = torch.randint(0, self.vocab, (self.seq_len + 1,), generator=torch.Generator().manual_seed(index))
-        sample = {"input_ids": tokens[:-1], "labels": tokens[1:]}
-        return {**sample, "document_ids": document_ids(index, self.seq_len)} if self.documents else sample
 
 
 class KernelProfile:

@@ -1,5 +1,6 @@
-"""``titan``: LightningCLI over LlamaModule + TextDataModule (``titan fit --config configs/debug.yaml``), and
-``titan plan`` (the capacity planner, ``llama_module/plan_cli.py``)."""
+"""``titan``: LightningCLI over LlamaModule + TextDataModule (``titan fit --config configs/debug.yaml``),
+``titan plan`` (the capacity planner, ``llama_module/plan_cli.py``) and ``titan rehearse`` (one rank of a
+multi-GPU config on this device, ``llama_module/rehearse_cli.py``)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def main() -> None:
         from llama_module.plan_cli import main as plan
 
         raise SystemExit(plan(sys.argv[2:]))
+    if sys.argv[1:2] == ["rehearse"]:  # `titan rehearse ...`: one rank of the config on this device
+        from llama_module.rehearse_cli import main as rehearse
+
+        raise SystemExit(rehearse(sys.argv[2:]))
     TitanCLI(LlamaModule, TextDataModule, seed_everything_default=0)
 
 

@@ -89,7 +89,7 @@ def llama_plan(model: Llama, log_loss: Callable[[str, Tensor], None] | None = No
         sequence_length=_sequence_length,
     )
     documents = model.documents.attention_mask == "block_causal"
-    pipeline = PipelinePlan(first_stage=embedding, last_stage=head, log_loss=log_loss,
+    pipeline = PipelinePlan(first_stage=embedding, last_stage=head, log_loss=log_loss, boundary_width=config.dim,
                             **({"stage_inputs": _document_ids} if documents else {}))
     # Attention is the one place tokens meet; RoPE positions and the mask follow the tokens' window indices.
     context_parallel = ContextParallelPlan(attention="layers.*.attention.sdpa", buffers={"documents.token_index": 0},

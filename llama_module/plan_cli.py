@@ -26,7 +26,7 @@ from titan_strategy.planner.search import (
     plan_layouts,
 )
 
-__all__ = ["check_training_config", "main"]
+__all__ = ["check_training_config", "main", "training_layout"]
 
 
 def _config_of(model: Any) -> LlamaConfig:
@@ -63,6 +63,12 @@ def _layout_of_config(strategy: TitanConfig, gpus: int, n_layers: int) -> Layout
 
 def check_training_config(config: dict[str, Any], gpu: GPU) -> tuple[Plan, Job]:
     """Check a training config (as ``titan fit`` reads it) against ``gpu``: ``PlanError`` names what does not fit."""
+    shape, layout, job = training_layout(config, gpu)
+    return check_layout(shape, layout, job), job
+
+
+def training_layout(config: dict[str, Any], gpu: GPU) -> tuple[LlamaConfig, Layout, Job]:
+    """The model shape, layout and job a training config (as ``titan fit`` reads it) asks the planner about."""
     trainer = config.get("trainer") or {}
     per_node = trainer.get("devices", 1)
     if not isinstance(per_node, int):
@@ -77,7 +83,7 @@ def check_training_config(config: dict[str, Any], gpu: GPU) -> tuple[Plan, Job]:
               global_batch_tokens=seq_len * batch_size * layout.dp_replicate * layout.dp_shard,
               compiled_blocks=strategy.compile.blocks, compiled_loss=strategy.compile.loss,
               async_tp=strategy.tensor_parallel.async_tp)
-    return check_layout(shape, layout, job), job
+    return shape, layout, job
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from titan_strategy.callbacks.flight_recorder import UNSHORTENED_GROUP_DESC
 from titan_strategy.knobs import knob
 from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
 
-__all__ = ["DistributedConfig", "ProcessGroups", "init_default_group", "build_process_groups"]
+__all__ = ["DistributedConfig", "ProcessGroups", "build_process_groups", "init_default_group", "is_rehearsal"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,12 @@ class ProcessGroups:
     checkpoint: dist.ProcessGroup
 
 
+def is_rehearsal() -> bool:
+    """Whether this process rehearses one rank of a larger run (``titan rehearse``): its default group is torch's
+    fake backend, whose collectives move no data."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
 def init_default_group(cluster_environment: ClusterEnvironment, device: torch.device,
                        config: DistributedConfig) -> None:
     """The default process group over every rank (a no-op where it exists already)."""
@@ -57,5 +63,7 @@ def init_default_group(cluster_environment: ClusterEnvironment, device: torch.de
 def build_process_groups(dims: ParallelDims, device: torch.device, config: DistributedConfig) -> ProcessGroups:
     """The mesh and the checkpoint group, over the default group (every rank calls this, in the same order)."""
     mesh = build_mesh(dims, device.type)
-    checkpoint = dist.new_group(backend="gloo", timeout=config.timeout, group_desc=UNSHORTENED_GROUP_DESC)
+    # A rehearsal's fake default group has no peers for gloo to meet: its checkpoint group is fake too.
+    backend = None if is_rehearsal() else "gloo"
+    checkpoint = dist.new_group(backend=backend, timeout=config.timeout, group_desc=UNSHORTENED_GROUP_DESC)
     return ProcessGroups(mesh=mesh, checkpoint=checkpoint)

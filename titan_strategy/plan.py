@@ -63,6 +63,8 @@ class PipelinePlan:
         log_loss: ``(stage, loss) -> None``, how the module logs the loss of a step (``stage`` is "train", "val"
             or "test"). The schedule runs in place of the module's ``*_step``, so the module says here what its
             steps would have logged; PP refuses a plan without it.
+        boundary_width: width of the hidden state one stage hands the next, ``(batch, seq, boundary_width)``.
+            Only ``titan rehearse`` reads it: a rehearsed rank has no neighbour stage to tell it that shape.
     """
 
     first_stage: tuple[str, ...]
@@ -70,6 +72,7 @@ class PipelinePlan:
     split_batch: Callable[[Any], tuple[Tensor, Tensor | None]] = input_ids_and_labels
     stage_inputs: Callable[[Any], dict[str, Tensor]] = lambda batch: {}
     log_loss: Callable[[str, Tensor], None] | None = None
+    boundary_width: int | None = None
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from titan_strategy.distributed import is_rehearsal
 from titan_strategy.mesh import ParallelDims, TitanMesh
 from titan_strategy.parallelize.activation_checkpoint import apply_ac
 from titan_strategy.parallelize.compile import apply_compile
@@ -16,9 +18,9 @@ from titan_strategy.parallelize.fsdp import apply_fsdp, fsdp_wraps
 from titan_strategy.parallelize.materialize import materialize
 from titan_strategy.parallelize.tensor_parallel import apply_tp, check_tp_plan
 from titan_strategy.pipeline.layout import PipelineLayout
-from titan_strategy.pipeline.runner import LossFn, PipelineRunner
+from titan_strategy.pipeline.runner import BoundaryFn, LossFn, PipelineRunner, boundary_activation
 from titan_strategy.pipeline.split import has_submodule, split_for_rank, stage_module_names
-from titan_strategy.plan import ParallelPlan
+from titan_strategy.plan import ParallelPlan, PipelinePlan
 from titan_strategy.runtime import ParallelRuntime
 from titan_strategy.token_loss import TokenWeighting, token_cross_entropy
 
@@ -114,12 +116,12 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
     # plan.model holds every part's parameters under their full-model names, so initialization
     # by (seed, name) gives each stage the weights of the unsplit model.
     materialize(plan.model, device, plan.init_weights)
-    return _runtime(plan, parts, layout, sharded, mesh, dims, config, device, pipeline_loss)
+    return _runtime(plan, parts, layout, sharded, mesh, dims, config, device, pipeline_loss, param_dtype)
 
 
 def _runtime(plan: ParallelPlan, parts: list[nn.Module], layout: PipelineLayout | None, sharded: bool,
              mesh: TitanMesh, dims: ParallelDims, config: TitanConfig, device: torch.device,
-             pipeline_loss: LossFn | None) -> ParallelRuntime:
+             pipeline_loss: LossFn | None, param_dtype: torch.dtype | None) -> ParallelRuntime:
     """The per-step side of what was applied: sequence sharding under CP, the schedule under PP."""
     sharder = None
     if dims.cp > 1:
@@ -129,7 +131,8 @@ def _runtime(plan: ParallelPlan, parts: list[nn.Module], layout: PipelineLayout 
     if layout is not None:
         assert plan.pipeline is not None
         pipeline = PipelineRunner(plan.model, parts, layout, config.pipeline, plan.pipeline,
-                                  pipeline_loss or token_cross_entropy, mesh["pp"], device)
+                                  pipeline_loss or token_cross_entropy, mesh["pp"], device,
+                                  rehearsal_boundary=_rehearsal_boundary(plan.pipeline, dims, config, param_dtype))
     tp = config.tensor_parallel
     # FSDP averages each gradient over the loss mesh's ranks (data-parallel x context-parallel).
     loss_mesh = mesh["loss"]
@@ -140,6 +143,19 @@ def _runtime(plan: ParallelPlan, parts: list[nn.Module], layout: PipelineLayout 
         pipeline=pipeline, float8_all_gather=config.float8.recipe == "tensorwise" and sharded,
         token_weighting=weighting, averaged_over=_averaged_over(dims),
     )
+
+
+def _rehearsal_boundary(plan: PipelinePlan, dims: ParallelDims, config: TitanConfig,
+                        param_dtype: torch.dtype | None) -> BoundaryFn | None:
+    """What a rehearsed rank's stages take their neighbours to send (None outside a rehearsal)."""
+    if not is_rehearsal():
+        return None
+    if plan.boundary_width is None:
+        raise ValueError("titan rehearse runs one pipeline rank with no neighbour stage to ask what it sends; give "
+                         "the module's PipelinePlan boundary_width (the hidden size, see llama_module/plan.py).")
+    shards = dims.tp if dims.tp > 1 and config.tensor_parallel.sequence_parallel else 1
+    return functools.partial(boundary_activation, width=plan.boundary_width, sequence_shards=shards,
+                             dtype=param_dtype or torch.float32)
 
 
 def _averaged_over(dims: ParallelDims) -> str:

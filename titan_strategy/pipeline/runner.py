@@ -24,7 +24,7 @@ from titan_strategy.pipeline.layout import PipelineConfig, PipelineLayout, check
 from titan_strategy.plan import PipelinePlan
 from titan_strategy.token_loss import TokenLoss
 
-__all__ = ["PipelineLoss", "PipelineRunner", "LossFn"]
+__all__ = ["BoundaryFn", "PipelineLoss", "PipelineRunner", "LossFn", "boundary_activation"]
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +39,57 @@ class PipelineLoss(NamedTuple):
     num_tokens: Tensor | None
 
 
+# Maps a first-stage input microbatch to a meta tensor like the activation one stage hands the next.
+BoundaryFn = Callable[[Tensor], Tensor]
+
+
+def boundary_activation(inputs: Tensor, *, width: int, sequence_shards: int, dtype: torch.dtype) -> Tensor:
+    """The hidden state a stage sends for a ``(batch, seq)`` microbatch: ``(batch, seq / sequence_shards, width)``
+    (sequence parallelism hands each TP rank its share of the sequence)."""
+    batch, seq = inputs.shape[:2]
+    return torch.empty(batch, seq // sequence_shards, width, dtype=dtype, device="meta")
+
+
 class _Stage(PipelineStage):
-    """A PipelineStage whose start-up handshake never sends to its own rank.
+    """A PipelineStage whose start-up handshake never sends to its own rank, and that can be rehearsed.
 
     torch 2.11 greets both neighbour stages with a dummy send/recv; under a V-schedule two adjacent
     stages share a rank, and gloo cannot send to itself ("Pair is not connected"). torch 2.13 replaced
     that handshake, so this changes nothing there.
+
+    Before its first step a stage asks its neighbours for the shapes of what they send. A rehearsal's fake
+    group has no neighbours, so there ``rehearsal_input()`` answers for them: the previous stage sends the
+    boundary activation, and the next one sends back gradients shaped like this stage's outputs.
     """
+
+    def __init__(self, *args: Any, rehearsal_input: Callable[[], Tensor] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rehearsal_input = rehearsal_input
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    def _recv_meta(self, src_stage: int) -> Any:  # torch 2.13's metadata exchange
+        if self._rehearsal_input is None:
+            return super()._recv_meta(src_stage)
+        from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta, extract_tensor_metas
+
+        if src_stage < self.stage_index:
+            return _StageForwardMeta(extract_tensor_metas((self._rehearsal_input(),)))
+        return _StageBackwardMeta(self._stage_meta.outputs)
+
+    def _shape_inference(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:  # torch 2.11's
+        previous = self.stage_index - 1
+        local = self.is_first or self.stage_index_to_group_rank[previous] == self.group_rank
+        if self._rehearsal_input is None or local:
+            return super()._shape_inference(args, kwargs)
+        # torch 2.11 takes the input shapes as arguments only from a previous stage on this rank: pose as one.
+        peer = self.stage_index_to_group_rank[previous]
+        self.stage_index_to_group_rank[previous] = self.group_rank
+        try:
+            return super()._shape_inference((self._rehearsal_input(),), kwargs)
+        finally:
+            self.stage_index_to_group_rank[previous] = peer
 
 
 # Wire format of an activation header: ndim, then the shape padded to _MAX_DIMS, then a dtype code.
@@ -123,11 +164,12 @@ class PipelineRunner:
             (``token_loss``), or its mean.
         pp_mesh: the ``pp`` mesh dim; its group carries the stage-to-stage traffic.
         device: where activations live.
+        rehearsal_boundary: only on a rehearsal's fake group, what the neighbour stages would say they send.
     """
 
     def __init__(self, model: nn.Module, stage_modules: list[nn.Module], layout: PipelineLayout,
                  config: PipelineConfig, plan: PipelinePlan, loss_fn: LossFn, pp_mesh: DeviceMesh,
-                 device: torch.device) -> None:
+                 device: torch.device, rehearsal_boundary: BoundaryFn | None = None) -> None:
         self.stage_modules = stage_modules
         self.layout = layout
         self.group = pp_mesh.get_group()
@@ -148,13 +190,17 @@ class PipelineRunner:
         self._loss_calls: list[tuple[Tensor, tuple[Tensor, Tensor | None]]] = []
         self._token_sums: bool | None = None  # whether loss_fn returns token sums, known after the first batch
         self._set_aside: list[tuple[nn.Parameter, Tensor]] = []
+        self._rehearsal_boundary = rehearsal_boundary
+        self._boundary: Tensor | None = None  # the rehearsal's boundary activation of the current microbatches
         self._schedule = self._build_schedule(config.schedule, stage_ids)
         self._forward_only = _ForwardPipeline(stage_modules, stage_ids, layout, self.group, device)
         log.info("Pipeline stages %s of %d on this rank (%s, %d microbatches)", stage_ids, layout.num_stages,
                  config.schedule, layout.microbatches)
 
     def _build_schedule(self, name: str, stage_ids: list[int]) -> Any:
-        stages = [_Stage(module, index, self.layout.num_stages, self._device, group=self.group)
+        rehearsal_input = (lambda: self._boundary) if self._rehearsal_boundary is not None else None
+        stages = [_Stage(module, index, self.layout.num_stages, self._device, group=self.group,
+                         rehearsal_input=rehearsal_input)
                   for index, module in zip(stage_ids, self.stage_modules)]
         schedule_cls = get_schedule_class(name)
         # scale_grads=False: torch would divide *all* gradients by the microbatch count after every
@@ -189,6 +235,8 @@ class PipelineRunner:
         self._set_view_mode(training=True)
         inputs, target = self._split(batch)
         self._loss_scale = 1.0 / (self.layout.microbatches * accumulate)
+        if self._rehearsal_boundary is not None:
+            self._boundary = self._rehearsal_boundary(inputs.tensor_split(self.layout.microbatches)[0])
         args = (inputs,) if self._holds_first else ()
         losses: list[Tensor] = []
         # The schedule splits keyword inputs into microbatches and hands them to every stage's forward.
