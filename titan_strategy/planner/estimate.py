@@ -9,7 +9,7 @@ compute, stretched by the pipeline bubble. Every constant is named and says wher
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from titan_strategy.parallelize.activation_checkpoint import ACMode
 from titan_strategy.parallelize.fsdp import fsdp_wraps
@@ -56,6 +56,15 @@ RUNTIME_GIB = 2.0
 # Extra compute of recomputation, as a share of the step without AC: measured on the 1B shape (RESULTS.md #8:
 # selective_op kept 91.6% of the speed, full 83.7%).
 RECOMPUTE: dict[ACMode, float] = {"none": 0.0, "selective_op": 0.09, "selective_layer": 0.10, "full": 0.19}
+# What full AC keeps per block and microbatch under FSDP, as a multiple of the block's input, without and with
+# PP. Measured by rehearsing ranks on one H200 (benchmarks/RESULTS.md, "Rehearsals"; tests/test_planner.py):
+# 1.4-1.6 on 70B FSDP32 x TP8, 70B FSDP64 x TP4, 405B FSDP64 x TP8 and 8B CP8; 2.75 on the 405B PP8 first
+# stage, where the peak's breakdown shows FSDP's bf16 copies of every in-flight block's floating inputs and
+# the sequence all-gathers' outputs beside the block inputs.
+FULL_AC_KEPT = {False: 1.5, True: 2.75}
+# Bytes per parameter of a pipeline stage's unsharded gradients until FSDP reduces them at its last microbatch:
+# the fp32 accumulation plus the bf16 gradients not yet folded into it (405B first stage, rehearsed: 4.87).
+PP_UNSHARDED_GRADIENT_BYTES = 4.87
 
 
 @runtime_checkable
@@ -185,7 +194,11 @@ class Estimate:
 
     @property
     def peak_allocated_gib(self) -> float:
-        m = self.memory
+        return self.peak_of(self.memory)
+
+    @staticmethod
+    def peak_of(m: dict[str, float]) -> float:
+        """The allocated peak of a memory breakdown."""
         working_set = max(m["activations"] + max(m["logits_loss"], m["recompute_window"]), m["gradients"])
         return m["parameters"] + m["optimizer"] + m["bf16_weights"] + m["unsharded_gradients"] + working_set
 
@@ -204,17 +217,27 @@ class Estimate:
         return self.time["step"]
 
 
-def _in_flight_microbatches(layout: Layout) -> float:
-    """Microbatches whose activations the busiest pipeline rank holds at once, in units of its layers."""
+def _in_flight_microbatches(layout: Layout, pp_rank: int) -> float:
+    """Microbatches whose activations pipeline rank ``pp_rank`` holds at once, in units of its layers."""
     pp, v, n = layout.pp, layout.stages_per_rank, layout.microbatches
     if pp == 1:
         return 1.0
     if layout.schedule in ("GPipe", "LoopedBFS"):
         return float(n)  # every forward before any backward
-    if layout.schedule in ("1F1B", "ZBVZeroBubble", "DualPipeV"):
-        return float(min(n, pp))
-    # Interleaved: rank 0 warms up (v - 1) * pp + 2 * (pp - 1) + 1 chunks of 1/v of its layers each.
-    return min(n * v, (v - 1) * pp + 2 * (pp - 1) + 1) / v
+    if layout.schedule == "1F1B":
+        return float(min(n, pp - pp_rank))  # rank r warms up pp - r microbatches
+    if layout.schedule in ("ZBVZeroBubble", "DualPipeV"):
+        return float(min(n, pp))  # rank 0 holds the first and the last stage
+    # Interleaved: rank r warms up (v - 1) * pp + 2 * (pp - 1 - r) + 1 chunks of 1/v of its layers each.
+    return min(n * v, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1) / v
+
+
+def _rank_layers(shape: ModelShape, layout: Layout, pp_rank: int) -> int:
+    """Blocks pipeline rank ``pp_rank`` holds: stages r, r + pp, ... of an even split that gives the earlier
+    stages the spare blocks (``PipelineConfig.resolve``)."""
+    stages = layout.pp * layout.stages_per_rank
+    base, spare = divmod(shape.n_layers, stages)
+    return sum(base + (stage < spare) for stage in range(pp_rank, stages, layout.pp))
 
 
 def _bubble(layout: Layout) -> float:
@@ -263,17 +286,19 @@ def _ring_time(bytes_per_rank: float, ranks: int, bandwidth_gbps: float, calls: 
     return transfer + calls * (ranks - 1) * RING_STEP_LATENCY_S
 
 
-def estimate(shape: ModelShape, layout: Layout, job: Job) -> Estimate:
-    """Per-rank memory and step time of ``layout`` for ``job``; the layout's degrees must already fit."""
-    gpu, seq = job.gpu, job.seq_len
-    layers = shape.n_layers / layout.pp
+PipelineRank = Literal["busiest", "first", "last"]
+
+
+def _memory(shape: ModelShape, layout: Layout, job: Job, pp_rank: int) -> dict[str, float]:
+    """What pipeline rank ``pp_rank`` holds at its peak, by part (GiB); without PP, every rank."""
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
     embed = shape.vocab_size * shape.dim
-    # The busiest rank: with PP, the last stage (its layers, the output projection and the loss).
-    rank_params = (layers * shape.block_params + (2 * embed if layout.pp == 1 else embed)) / layout.tp
+    layers = _rank_layers(shape, layout, pp_rank)
+    # Its blocks, plus the embedding on the first stage and the output projection on the last (one rank: both).
+    rank_params = (layers * shape.block_params + embed * (first + last)) / layout.tp
     shards = layout.dp_shard * layout.cp
-    sequences = job.global_batch_tokens / seq / layout.dp  # per data-parallel rank and step
-    microbatch_tokens = sequences / layout.microbatches * seq / layout.cp  # this rank's tokens in one microbatch
-    unit = shape.block_params / layout.tp
+    sequences = job.global_batch_tokens / job.seq_len / layout.dp  # per data-parallel rank and step
+    microbatch_tokens = sequences / layout.microbatches * job.seq_len / layout.cp  # this rank's, per microbatch
     single_device = not fsdp_wraps(layout.world)
     if single_device:
         # No FSDP: autocast casts each weight for its matmul. A compiled block's backward casts its weights
@@ -281,34 +306,54 @@ def estimate(shape: ModelShape, layout: Layout, job: Job) -> Estimate:
         # their bf16 copies for backward. (With TritonAdamW the strategy holds bf16 weights and gradients next
         # to fp32 masters instead of casting: the same bytes within 1.5% at the 1B shape, RESULTS.md.)
         bf16_weights = (0 if job.compiled_blocks else shape.n_layers * shape.block_params * _BF16) + embed * _BF16
-    else:  # FSDP's gathered units
-        bf16_weights = unit * _BF16 * 2 if layout.pp == 1 else rank_params * _BF16  # under PP a stage stays gathered
+    else:  # FSDP's gathered units; under PP a stage stays gathered
+        bf16_weights = shape.block_params / layout.tp * _BF16 * 2 if layout.pp == 1 else rank_params * _BF16
         if layout.float8:
             bf16_weights /= 2
     # Under sequence parallelism the two norm outputs are all-gathered to the full sequence before the
     # column-parallel matmuls, and those gathered inputs are what their backward keeps.
     gathered_inputs = 2 * shape.dim * _BF16 * (1 - 1 / layout.tp)
+    kept_by_full_ac = 1.0 if single_device else FULL_AC_KEPT[layout.pp > 1]
 
     def saved_per_token(ac: str) -> float:
-        return activation_bytes_per_token(shape, ac, job.compiled_blocks, autocast=single_device) / layout.tp + \
-            (gathered_inputs if ac == "none" else 0.0)
+        saved = activation_bytes_per_token(shape, ac, job.compiled_blocks, autocast=single_device) / layout.tp
+        return saved * (kept_by_full_ac if ac == "full" else 1.0) + (gathered_inputs if ac == "none" else 0.0)
 
-    activations = microbatch_tokens * layers * _in_flight_microbatches(layout) * saved_per_token(layout.ac)
+    in_flight = _in_flight_microbatches(layout, pp_rank)
+    activations = microbatch_tokens * layers * in_flight * saved_per_token(layout.ac)
     # Under full AC, backward recomputes one block's whole activations at a time, once the logits are gone.
     recompute_window = microbatch_tokens * saved_per_token("none") if layout.ac == "full" else 0.0
-    logits = microbatch_tokens * shape.vocab_size / layout.tp * LOGIT_BYTES[job.compiled_loss]
-    memory = {
+    logits = microbatch_tokens * shape.vocab_size / layout.tp * LOGIT_BYTES[job.compiled_loss] if last else 0.0
+    return {
         "parameters": rank_params / shards * _FP32 / GIB,
         "gradients": rank_params / shards * _FP32 / GIB,
         "optimizer": rank_params / shards * 2 * _FP32 / GIB,
         "bf16_weights": bf16_weights / GIB,
         # Under PP, torch's schedules defer FSDP's reduce-scatter to a stage's last microbatch: until then
-        # the stage's gradients accumulate unsharded, in the fp32 reduce dtype.
-        "unsharded_gradients": (rank_params * _FP32 if layout.pp > 1 else 0.0) / GIB,
+        # the stage's gradients accumulate unsharded.
+        "unsharded_gradients": (rank_params * PP_UNSHARDED_GRADIENT_BYTES if layout.pp > 1 else 0.0) / GIB,
         "activations": activations / GIB,
         "logits_loss": logits / GIB,
         "recompute_window": recompute_window / GIB,
     }
+
+
+def estimate(shape: ModelShape, layout: Layout, job: Job, pipeline_rank: PipelineRank = "busiest") -> Estimate:
+    """Per-rank memory and step time of ``layout`` for ``job``; the layout's degrees must already fit.
+
+    Memory is that of a rank of the first or the last pipeline stage (the first holds the most microbatches in
+    flight, the last the logits), or of whichever of the two peaks higher. Step time is the pipeline's.
+    """
+    gpu, seq = job.gpu, job.seq_len
+    ranks = {"first": [0], "last": [layout.pp - 1], "busiest": [0, layout.pp - 1]}[pipeline_rank]
+    memory = max((_memory(shape, layout, job, rank) for rank in ranks), key=Estimate.peak_of)
+    # Communication is the mean rank's: its layers, and the embedding or output projection.
+    layers = shape.n_layers / layout.pp
+    embed = shape.vocab_size * shape.dim
+    rank_params = (layers * shape.block_params + (2 * embed if layout.pp == 1 else embed)) / layout.tp
+    shards = layout.dp_shard * layout.cp
+    sequences = job.global_batch_tokens / seq / layout.dp  # per data-parallel rank and step
+    microbatch_tokens = sequences / layout.microbatches * seq / layout.cp  # this rank's tokens in one microbatch
     tokens_per_gpu = job.global_batch_tokens / job.gpus
     flops = tokens_per_gpu * shape.flops_per_token(seq) * (1 + RECOMPUTE[layout.ac])
     mfu = ACHIEVABLE_MFU * _matmul_efficiency(microbatch_tokens * shape.dim / layout.tp / 4096)
