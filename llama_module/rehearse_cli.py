@@ -176,18 +176,13 @@ def _train(cli: RehearsalCLI) -> RankRehearsal | float:
     try:
         trainer.fit(module, DataLoader(RandomTokens(windows, seq_len, module.config.vocab_size, documents),
                                        batch_size=batch_size))
-    except Exception as error:  # the pipeline schedule raises its own error from an out-of-memory one
-        out_of_memory = _out_of_memory(error)
-        if out_of_memory is None:
+    except Exception as error:
+        device = trainer.strategy.root_device
+        needs = required_gib(error, torch.cuda.memory_reserved(device) if device.type == "cuda" else 0)
+        if needs is None:
             raise
-        return required_gib(out_of_memory, trainer.strategy.root_device)
+        return needs
     return meter.result(trainer)
-
-
-def _out_of_memory(error: BaseException | None) -> torch.OutOfMemoryError | None:
-    while error is not None and not isinstance(error, torch.OutOfMemoryError):
-        error = error.__cause__ or error.__context__
-    return error
 
 
 def _needs_gib(result: dict[str, Any]) -> float:

@@ -24,7 +24,7 @@ from llama_module.rehearse_cli import rehearsed_ranks
 from tests.conftest import REPO, run_command
 from titan_strategy.config import TitanConfig
 from titan_strategy.mesh import ParallelDims
-from titan_strategy.rehearsal import LiveStorageBytes, rank_coordinates
+from titan_strategy.rehearsal import LiveStorageBytes, rank_coordinates, required_gib
 
 # Every TP degree up to 8 divides its heads, kv heads, ffn_dim and vocabulary; ffn_dim does not split evenly over
 # 8 FSDP shards (1032 / tp 8 = 129 rows), so a rank's shard depends on where it sits. Wide and short (16-token
@@ -150,3 +150,14 @@ def test_live_storage_bytes_follows_ops_frees_and_in_place_resizes() -> None:
         assert storages.current == 256 * 256 * 4
         del hidden
     assert storages.peak == 256 * 256 * 4 + 2 * 128 * 256 * 4
+
+
+@pytest.mark.unit
+def test_running_out_of_memory_becomes_what_the_rank_needed_at_least() -> None:
+    out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB. GPU 0 has a total "
+                                           "capacity of 139.80 GiB of which 217.12 MiB is free.")
+    try:  # the pipeline schedule wraps it: "[Stage 8] failed to run forward"
+        raise RuntimeError("[Stage 8] failed to run forward") from out_of_memory
+    except RuntimeError as wrapped:
+        assert required_gib(wrapped, reserved_bytes=138 * 2**30) == pytest.approx(138.25)
+    assert required_gib(RuntimeError("a shape mismatch"), reserved_bytes=0) is None

@@ -78,8 +78,9 @@ class RehearsalStrategy(TitanStrategy):
     def __init__(self, world_size: int, rank: int, **knobs: Any) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is not a rank of a {world_size}-rank run; choose 0..{world_size - 1}.")
+        # It saves nothing and loads nothing: no checkpoint writer, resume or initial weights.
         knobs |= {"process_group_backend": "fake", "cluster_environment": _OneRankOfMany(world_size, rank),
-                  "auto_resume": False, "initial_weights": None, "flight_recorder": False}
+                  "auto_resume": False, "initial_weights": None, "checkpoint_mode": "sync", "flight_recorder": False}
         super().__init__(**knobs)
         self.rehearsed_world_size = world_size
 
@@ -258,8 +259,15 @@ class RehearsalMeter(Callback):
                              peak_allocated_gib=allocated, peak_reserved_gib=reserved, step_s=self.step_s)
 
 
-def required_gib(error: torch.OutOfMemoryError, device: torch.device) -> float:
-    """What a rank that ran out of memory needed at least: what the allocator held plus the request it refused."""
-    match = re.search(r"Tried to allocate ([\d.]+) (GiB|MiB)", str(error))
+def required_gib(error: BaseException, reserved_bytes: int) -> float | None:
+    """What a rank that ran out of memory needed at least: what the allocator held (``reserved_bytes``) plus the
+    request it refused. None if ``error`` did not come from running out of memory (the pipeline schedule raises
+    its own error from the allocator's)."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, torch.OutOfMemoryError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    match = re.search(r"Tried to allocate ([\d.]+) (GiB|MiB)", str(cause))
     requested = float(match.group(1)) / (1024 if match.group(2) == "MiB" else 1) if match else 0.0
-    return torch.cuda.memory_reserved(device) / GIB + requested
+    return reserved_bytes / GIB + requested
