@@ -106,11 +106,10 @@ def test_the_70b_layout_rehearses_any_rank_with_its_shard(tmp_path: Path, test_e
     # TP4 on 32 GPUs keeps FSDP8: each rank holds twice the slice of every weight and activation.
     [wider] = _rehearse(tmp_path, test_env, "llama3_70b_fsdp_tp8.yaml", "--rank", "0", "--trainer.num_nodes", "4",
                         "--trainer.strategy.init_args.tensor_parallel_size", "4")
-    [narrow] = _rehearse(tmp_path, test_env, "llama3_70b_fsdp_tp8.yaml", "--rank", "0")
     dims_tp4 = _dims("llama3_70b_fsdp_tp8.yaml", world=32, tensor_parallel_size=4)
     assert (dims_tp4.dp_shard, dims_tp4.tp) == (8, 4)
     assert wider["parameters"] == _expected_parameters(dims_tp4, 0, set(range(16)), first=True, last=True)
-    assert wider["peak_allocated_gib"] > narrow["peak_allocated_gib"]
+    assert wider["peak_allocated_gib"] > rank["peak_allocated_gib"]
 
 
 @pytest.mark.unit
