@@ -13,7 +13,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from titan_strategy.parallelize.activation_checkpoint import ACMode
 from titan_strategy.parallelize.fsdp import fsdp_wraps
-from titan_strategy.pipeline.layout import ScheduleName
+from titan_strategy.pipeline.layout import PipelineConfig, ScheduleName
 from titan_strategy.planner.hardware import GPU
 
 __all__ = ["Job", "Layout", "ModelShape", "Estimate", "estimate", "activation_bytes_per_token", "kv_dim"]
@@ -63,8 +63,9 @@ RECOMPUTE: dict[ACMode, float] = {"none": 0.0, "selective_op": 0.09, "selective_
 # the sequence all-gathers' outputs beside the block inputs.
 FULL_AC_KEPT = {False: 1.5, True: 2.75}
 # Bytes per parameter of a pipeline stage's unsharded gradients until FSDP reduces them at its last microbatch:
-# the fp32 accumulation plus the bf16 gradients not yet folded into it (405B first stage, rehearsed: 4.87).
-PP_UNSHARDED_GRADIENT_BYTES = 4.87
+# the fp32 accumulation plus the bf16 gradients not yet folded into it (405B first stage, rehearsed: 30.1 GiB
+# for its 15 blocks and embedding, 6.24 B parameters after TP).
+PP_UNSHARDED_GRADIENT_BYTES = 5.18
 
 
 @runtime_checkable
@@ -233,11 +234,13 @@ def _in_flight_microbatches(layout: Layout, pp_rank: int) -> float:
 
 
 def _rank_layers(shape: ModelShape, layout: Layout, pp_rank: int) -> int:
-    """Blocks pipeline rank ``pp_rank`` holds: stages r, r + pp, ... of an even split that gives the earlier
-    stages the spare blocks (``PipelineConfig.resolve``)."""
-    stages = layout.pp * layout.stages_per_rank
-    base, spare = divmod(shape.n_layers, stages)
-    return sum(base + (stage < spare) for stage in range(pp_rank, stages, layout.pp))
+    """Blocks pipeline rank ``pp_rank`` holds, split and placed as the strategy does (``PipelineConfig.resolve``)."""
+    if layout.pp == 1:
+        return shape.n_layers
+    assert layout.schedule is not None
+    pipeline = PipelineConfig(size=layout.pp, schedule=layout.schedule, microbatches=layout.microbatches,
+                              stages_per_rank=layout.stages_per_rank).resolve(shape.n_layers)
+    return sum(len(pipeline.blocks[stage]) for stage in pipeline.stages_of(pp_rank))
 
 
 def _bubble(layout: Layout) -> float:
