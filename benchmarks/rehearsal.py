@@ -7,7 +7,8 @@
 ``accuracy`` trains the same single-device run twice through Lightning, each in a fresh process, with the
 same random tokens and the same meter (``titan_strategy/rehearsal.py``): once with TitanStrategy on a real
 process group, once with RehearsalStrategy on torch's fake one. ``paper`` runs ``titan rehearse`` on the
-shipped configs (and the 70B one at the paper's FSDP32 x TP8), printing each rank's measurements as JSON.
+shipped configs (and the 70B one at the paper's FSDP32 x TP8), then on the planner's favourite layouts, printing
+each rank's measurements as JSON (``--only WORD`` keeps the layouts whose name has it).
 """
 
 from __future__ import annotations
@@ -42,6 +43,27 @@ PAPER = [
      ["--trainer.strategy.init_args.pipeline_schedule", "1F1B"]),
     ("8B CP8 262,144 tokens", "llama3_8b_cp8_256k.yaml", []),
 ]
+_KNOB = "--trainer.strategy.init_args."
+# The planner's favourites (`python benchmarks/planner_scenarios.py`, top 3) not among the layouts above, without
+# float8 as every rehearsal here; batches keep each scenario's tokens per step.
+PLANNER_FAVOURITES = [
+    ("70B FSDP64 x TP4 full AC (planner #1, 256 GPUs)", "llama3_70b_fsdp_tp8.yaml",
+     ["--trainer.num_nodes", "32", f"{_KNOB}tensor_parallel_size", "4", f"{_KNOB}activation_checkpointing", "full",
+      "--data.batch_size", "8"]),
+    ("70B FSDP128 x TP2 full AC (planner #2, 256 GPUs)", "llama3_70b_fsdp_tp8.yaml",
+     ["--trainer.num_nodes", "32", f"{_KNOB}tensor_parallel_size", "2", f"{_KNOB}activation_checkpointing", "full",
+      "--data.batch_size", "4"]),
+    ("405B FSDP64 x TP8 full AC (planner #1, 512 GPUs)", "llama3_405b_fsdp8_tp8_pp8.yaml",
+     [f"{_KNOB}pipeline_parallel_size", "1", f"{_KNOB}data_parallel_shard_size", "64",
+      f"{_KNOB}pipeline_microbatches", "null", "--data.batch_size", "4"]),
+    ("405B FSDP128 x TP4 full AC (planner #2, 512 GPUs)", "llama3_405b_fsdp8_tp8_pp8.yaml",
+     [f"{_KNOB}pipeline_parallel_size", "1", f"{_KNOB}data_parallel_shard_size", "128", f"{_KNOB}tensor_parallel_size",
+      "4", f"{_KNOB}pipeline_microbatches", "null", "--data.batch_size", "2"]),
+    ("405B FSDP4 x TP8 x PP16 Interleaved1F1B, 64 microbatches, selective_op AC (planner #3, 512 GPUs)",
+     "llama3_405b_fsdp8_tp8_pp8.yaml",
+     [f"{_KNOB}pipeline_parallel_size", "16", f"{_KNOB}data_parallel_shard_size", "4", f"{_KNOB}pipeline_microbatches",
+      "64", f"{_KNOB}activation_checkpointing", "selective_op", "--data.batch_size", "64"]),
+]
 
 
 def one_device_run(model: str | dict, batch_size: int, rehearse: bool, steps: int) -> dict:
@@ -75,7 +97,7 @@ def accuracy(steps: int) -> None:
 
 
 def paper(steps: int, only: list[str]) -> None:
-    for name, config, extra in PAPER:
+    for name, config, extra in PAPER + PLANNER_FAVOURITES:
         if only and not any(word in name for word in only):
             continue
         with tempfile.TemporaryDirectory() as folder:

@@ -22,6 +22,8 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 
+from titan_strategy.distributed import simulating_ranks
+
 __all__ = ["ATTENTION_MASKS", "AttentionMask", "DocumentMasking", "RopePositions", "check_document_ids",
            "check_masking", "flex_attention"]
 
@@ -117,6 +119,11 @@ class DocumentMasking(nn.Module):
     def _mask(self, runs: Tensor, queries: Tensor) -> AttentionMask:
         """Query ``i`` (window index ``queries[i]``) may attend key ``j`` of the window: same run, not later."""
         if self.kernel == "flex":
+            if simulating_ranks():
+                raise ValueError("attention_kernel='flex' compiles its kernel and mask, which simulated ranks' "
+                                 "tensors cannot go through; simulate block-causal attention with "
+                                 "attention_kernel='sdpa' (a dense mask).")
+
             def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
                 query = queries[q]
                 return (runs[b, query] == runs[b, kv]) & (query >= kv)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -14,7 +17,10 @@ from titan_strategy.callbacks.flight_recorder import UNSHORTENED_GROUP_DESC
 from titan_strategy.knobs import knob
 from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
 
-__all__ = ["DistributedConfig", "ProcessGroups", "build_process_groups", "init_default_group", "is_rehearsal"]
+__all__ = ["DistributedConfig", "ProcessGroups", "build_process_groups", "init_default_group", "is_rehearsal",
+           "outside_simulated_ranks", "per_simulated_rank", "simulating_ranks"]
+
+Fn = TypeVar("Fn", bound=Callable)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,36 @@ def is_rehearsal() -> bool:
     """Whether this process rehearses one rank of a larger run (``titan rehearse``): its default group is torch's
     fake backend, whose collectives move no data."""
     return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def per_simulated_rank(function: Fn) -> Fn:
+    """``function`` (rank-dependent, no side effects, no collectives) runs once per rank when one process simulates
+    every rank (``titan_strategy.simulated_ranks``); otherwise it is called as it is."""
+    try:
+        from torch.distributed._local_tensor import maybe_run_for_local_tensor
+    except ImportError:  # a torch without local tensors cannot simulate ranks either
+        return function
+    return maybe_run_for_local_tensor(function)
+
+
+def simulating_ranks() -> bool:
+    """Whether this process simulates every rank with local tensors (``titan_strategy.simulated_ranks``)."""
+    try:
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+    except ImportError:
+        return False
+    return enabled_local_tensor_mode() is not None
+
+
+def outside_simulated_ranks() -> AbstractContextManager:
+    """Plain tensors again while one process simulates every rank: for work every rank does identically
+    (building a full tensor to slice shards from, reading data)."""
+    try:
+        from torch.distributed._local_tensor import local_tensor_mode
+    except ImportError:
+        return nullcontext()
+    mode = local_tensor_mode()
+    return mode.disable() if mode is not None else nullcontext()
 
 
 def init_default_group(cluster_environment: ClusterEnvironment, device: torch.device,

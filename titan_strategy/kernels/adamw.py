@@ -32,6 +32,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from titan_strategy.distributed import simulating_ranks
+
 __all__ = ["ADAMW_KERNELS", "TritonAdamW", "build_adamw"]
 
 ADAMW_KERNELS = ("auto", "triton", "fused", "foreach")
@@ -195,7 +197,10 @@ def build_adamw(params: Iterable[Any], kernel: str, device: torch.device, **hype
     ``triton`` (``TritonAdamW``), torch's ``fused`` or ``foreach`` kernels, or ``auto``: triton on CUDA, foreach
     elsewhere."""
     if kernel == "auto":
-        kernel = "triton" if device.type == "cuda" else "foreach"
+        kernel = "triton" if device.type == "cuda" and not simulating_ranks() else "foreach"
+    if kernel == "triton" and simulating_ranks():
+        raise ValueError("adamw='triton' launches one Triton kernel per parameter, which cannot take simulated "
+                         "ranks' tensors; use adamw='auto' or 'foreach' under SimulatedRanksStrategy.")
     if kernel == "triton":
         return TritonAdamW(params, **hyper)
     return torch.optim.AdamW(params, **hyper, fused=kernel == "fused" or None, foreach=kernel == "foreach" or None)

@@ -36,6 +36,7 @@ from torch.distributed.tensor.experimental._context_parallel import (
     _enable_context_parallel_dispatcher,
 )
 
+from titan_strategy.distributed import per_simulated_rank, simulating_ranks
 from titan_strategy.knobs import check_choice, knob
 from titan_strategy.plan import ContextParallelPlan
 
@@ -108,6 +109,11 @@ def _to_sequence_shards(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs
         key, value = (_in_order(_all_gather_autograd(t.contiguous(), _SEQ_DIM, mesh.get_group()),
                                 mesh.size(), _SEQ_DIM) for t in (key, value))
         return (query, key, value, mask), {}
+    if simulating_ranks():
+        raise ValueError("Causal attention under context parallelism is torch's ring attention, which takes each "
+                         "rank's place in the ring from dist.get_rank(): one number for every simulated rank. "
+                         "Simulate CP with block-causal attention (its keys and values are all-gathered), or run "
+                         "the causal ring on real processes.")
     # Grouped-query attention: torch's ring attention expects as many key/value heads as query heads,
     # so each kv head is repeated for the query heads it serves, as the kernels would do themselves.
     groups = query.size(1) // key.size(1)
@@ -203,6 +209,12 @@ def ring_attention(rotate_method: RotateMethod) -> Generator[None, None, None]:
 
 # ---- per step: the batch, the buffers, the predictions -------------------------------------------
 
+@per_simulated_rank
+def _load_balanced_shard(tensor: Tensor, rank: int, size: int, dim: int) -> Tensor:
+    chunks = tensor.chunk(2 * size, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
+
+
 class SequenceSharder:
     """Cuts each batch and the plan's position-indexed buffers to this CP rank's tokens.
 
@@ -226,8 +238,7 @@ class SequenceSharder:
 
     def shard(self, tensor: Tensor, dim: int) -> Tensor:
         """This rank's tokens of ``tensor``: chunks ``r`` and ``2 * cp - 1 - r`` of ``dim``."""
-        chunks = tensor.chunk(2 * self._size, dim=dim)
-        return torch.cat([chunks[self._rank], chunks[2 * self._size - 1 - self._rank]], dim=dim)
+        return _load_balanced_shard(tensor, self._rank, self._size, dim)
 
     def gather(self, tensor: Tensor, dim: int) -> Tensor:
         """The inverse of ``shard`` across the CP ranks: every rank gets the whole sequence, in order (no autograd)."""

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_strategy.distributed import outside_simulated_ranks
 from titan_strategy.plan import ParamFiller
 
 __all__ = ["materialize", "materialize_with_reset_parameters", "fill_sharded"]
@@ -27,8 +28,9 @@ def fill_sharded(param: nn.Parameter, initializer: Callable[[Tensor], None]) -> 
     if not isinstance(param, DTensor):
         initializer(param.data)
         return
-    full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-    initializer(full)
+    with outside_simulated_ranks():  # one tensor for every simulated rank to slice its shard from
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        initializer(full)
     # src_data_rank=None: every rank built the same full tensor, so each slices its own shard locally.
     local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
     param.to_local().copy_(local)
