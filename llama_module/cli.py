@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import titan_strategy  # noqa: F401 -- registers strategy="titan" and makes its class_path resolvable
@@ -14,6 +15,23 @@ from llama_module.data import TextDataModule
 from llama_module.module import LlamaModule
 
 __all__ = ["TitanCLI", "main"]
+
+DESCRIPTION = "Train a Llama under TitanStrategy (LightningCLI over LlamaModule and TextDataModule)."
+# `titan --help` lists every tool, not only LightningCLI's subcommands.
+OTHER_COMMANDS = """\
+More commands:
+  titan plan --model 8B --gpus 128       rank layouts by speed and memory; --check CONFIG.yaml: does it fit?
+  titan rehearse --config CONFIG.yaml    run one rank of a multi-GPU config on this device: memory, compute
+  titan-hf export|import ...             weights to and from Hugging Face transformers
+  titan-fr analyze RUN_DIR               explain a hang from the Flight Recorder dumps under RUN_DIR
+Each takes --help."""
+
+
+class _KeepsLineBreaks(DefaultHelpFormatter):
+    """The epilog's table as written: argparse would re-flow it into one paragraph."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
 
 
 class TitanCLI(LightningCLI):
@@ -47,7 +65,8 @@ def main() -> None:
         from llama_module.rehearse_cli import main as rehearse
 
         raise SystemExit(rehearse(sys.argv[2:]))
-    TitanCLI(LlamaModule, TextDataModule, seed_everything_default=0)
+    TitanCLI(LlamaModule, TextDataModule, seed_everything_default=0,
+             parser_kwargs={"description": DESCRIPTION, "epilog": OTHER_COMMANDS, "formatter_class": _KeepsLineBreaks})
 
 
 if __name__ == "__main__":

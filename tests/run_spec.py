@@ -73,6 +73,9 @@ class RunSpec:
     drill: dict[str, Any] | None = None  # Sabotage's hang drill
     slow_writes_s: float = 0.0  # added to each DCP shard write
     kill_during_save: dict[str, int] | None = None  # {"rank": r, "save": n}: SIGKILL rank r in its n-th shard write
+    # From the second save on the disk is full: "before" (it reports 1,000 bytes free) or "while" (a shard write
+    # raises ENOSPC, as torch's writer does when the disk fills up).
+    disk_full: str | None = None
     log_removals: bool = False  # record which complete checkpoints existed at each removal ("removals")
 
     def to_json(self) -> str:

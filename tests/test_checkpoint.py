@@ -23,6 +23,7 @@ from titan_strategy import (
 )
 from titan_strategy.checkpoint import ELASTIC_POSITION_KEY, RankPlace, read_model_weights
 from titan_strategy.checkpoint.dcp import _loader_states
+from titan_strategy.checkpoint.manifest import checkpoint_bytes
 from titan_strategy.checkpoint.rng import capture_rng_states, restore_rng_states
 
 # 20 steps of text data: a resumed run must also restore each data-parallel rank's position in its stream.
@@ -79,6 +80,28 @@ def test_a_rank_killed_during_an_async_save_leaves_the_previous_checkpoint_to_re
                      tmp_path / "resumed", test_env)
     assert [step["step"] for step in resumed[0]["steps"]] == [3, 4]
     assert _complete(folder) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("disk_full", "mode"), [("before", "sync"), ("while", "async")])
+def test_a_full_disk_fails_the_save_with_the_numbers_and_publishes_nothing(disk_full: str, mode: str, tmp_path: Path,
+                                                                           test_env: dict[str, str]) -> None:
+    # Saves at steps 2 and 4; from the second on the disk is full: reported before staging ("before"), or by the
+    # shard write of a background save, which the run's end waits for ("while").
+    folder = tmp_path / "checkpoints"
+    spec = RunSpec(steps=4, batch_size=4, strategy={"checkpoint_mode": mode}, disk_full=disk_full,
+                   model_checkpoint={"dirpath": str(folder), "every_n_train_steps": 2, "save_top_k": -1})
+    with pytest.raises(AssertionError, match="failed") as failure:
+        launch(1, spec, tmp_path / "run", test_env)
+    previous = folder / "epoch=0-step=2.ckpt"
+    size = f"the last checkpoint took {checkpoint_bytes(previous):,}"
+    message = next(line for line in str(failure.value).splitlines() if "CheckpointDiskFullError: " in line)
+    assert str(folder / "epoch=0-step=4.ckpt") in message and size in message and "bytes free" in message
+    assert ("Not saving" if disk_full == "before" else "failed on rank 0: the disk holding") in message
+    assert _complete(folder) == ["epoch=0-step=2.ckpt"]
+    assert not (folder / "epoch=0-step=4.ckpt").exists(), "a failed save must never carry a checkpoint name"
+    loaded = DistributedCheckpointIO().load_checkpoint(previous)  # intact: every file matches its manifest
+    assert loaded["state_dict"]["model.tok_embeddings.weight"].shape == (256, 64)
 
 
 @pytest.fixture(scope="module")

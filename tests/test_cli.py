@@ -51,3 +51,26 @@ def test_every_shipped_config_parses(config: Path, capsys: pytest.CaptureFixture
         TitanCLI(LlamaModule, TextDataModule, args=["fit", "--config", str(config), "--print_config"])
     assert exit_info.value.code == 0
     assert "titan_strategy.TitanStrategy" in capsys.readouterr().out
+
+
+@pytest.mark.unit
+def test_titan_help_lists_every_tool(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from llama_module.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["titan", "--help"])
+    with pytest.raises(SystemExit):
+        main()
+    out = capsys.readouterr().out
+    for command in ("fit", "validate", "titan plan", "titan rehearse", "titan-hf export", "titan-fr analyze"):
+        assert command in out
+
+
+@pytest.mark.unit
+def test_lightnings_amp_line_gives_way_to_what_the_strategy_runs(caplog: pytest.LogCaptureFixture) -> None:
+    import lightning as L
+
+    from titan_strategy import TitanStrategy
+
+    with caplog.at_level("INFO"):
+        L.Trainer(strategy=TitanStrategy(), accelerator="cpu", devices=1, precision="bf16-mixed", logger=False)
+    assert "Automatic Mixed Precision" not in caplog.text  # configure_precision says bf16-mixed "as" what, at setup

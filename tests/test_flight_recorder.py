@@ -58,7 +58,8 @@ def _drill(nproc: int, strategy: dict[str, Any], drill: dict[str, Any], out: Pat
 
 
 def _analyze(run: Path, capsys: pytest.CaptureFixture[str]) -> str:
-    assert titan_fr(["analyze", str(run.parent)]) == 0
+    # From the drill's own folder, two levels above the dumps (OUT/fr/<run-id>/rank_N.json), as a user would.
+    assert titan_fr(["analyze", str(run.parent.parent)]) == 0
     assert (run / "timeline.png").read_bytes().startswith(b"\x89PNG")
     return capsys.readouterr().out
 
@@ -258,6 +259,23 @@ def test_a_dump_that_holds_objects_is_refused(tmp_path: Path) -> None:
     (tmp_path / f"{NCCL_DUMP_PREFIX}0").write_bytes(pickle.dumps({"entries": [Path("/")]}))
     with pytest.raises(pickle.UnpicklingError, match="refusing to load pathlib"):
         read_dumps(tmp_path)
+
+
+@pytest.mark.unit
+def test_titan_fr_analyzes_the_newest_run_found_at_any_depth_and_lists_the_others(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dump = {"entries": [], "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0]"}},
+            "titan": {"rank": 0, "reason": "test"}}
+    older, newer = tmp_path / "lightning_logs" / "flight_recorder" / "a", tmp_path / "flight_recorder" / "b"
+    for age, folder in enumerate((older, newer)):
+        folder.mkdir(parents=True)
+        (folder / "rank_0.json").write_text(json.dumps(dump))
+        os.utime(folder, (1_000_000 + age, 1_000_000 + age))
+    assert dump_dirs(tmp_path) == [older, newer]
+    assert titan_fr(["analyze", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"analysing the newest, {newer}" in out and f"  {older}\n" in out
+    assert (newer / "timeline.png").exists() and not (older / "timeline.png").exists()
 
 
 @pytest.mark.unit

@@ -13,9 +13,11 @@ that fails writes OUT_DIR/rank{N}.error instead.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -184,8 +186,9 @@ class RemovalLog:
         checkpoint_io._remove = logged
 
 
-def _interfere_with_writes(slow_s: float, kill: dict[str, int] | None) -> None:
-    """Make each DCP shard write take ``slow_s`` longer; SIGKILL rank ``kill["rank"]`` in its ``kill["save"]``-th."""
+def _interfere_with_writes(slow_s: float, kill: dict[str, int] | None, disk_full: str | None) -> None:
+    """Make each DCP shard write take ``slow_s`` longer; SIGKILL rank ``kill["rank"]`` in its ``kill["save"]``-th;
+    fill the disk from the second save on (``RunSpec.disk_full``)."""
     write_data = dcp.FileSystemWriter.write_data
     writes = 0
 
@@ -194,10 +197,14 @@ def _interfere_with_writes(slow_s: float, kill: dict[str, int] | None) -> None:
         writes += 1
         if kill is not None and int(os.environ["RANK"]) == kill["rank"] and writes == kill["save"]:
             os.kill(os.getpid(), signal.SIGKILL)
+        if disk_full == "while" and writes >= 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         time.sleep(slow_s)
         return write_data(self, *args, **kwargs)
 
     dcp.FileSystemWriter.write_data = interfered
+    if disk_full == "before":
+        checkpoint_io.shutil.disk_usage = lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000)
 
 
 class Sabotage(Callback):
@@ -351,8 +358,8 @@ def main(spec: RunSpec, out_dir: Path) -> None:
     memory_probe = MemoryProbe(spec.memory_probe_step) if spec.memory_probe_step is not None else None
     callbacks += [callback for callback in (throughput, memory_probe) if callback is not None]
     removal_log = RemovalLog() if spec.log_removals else None
-    if spec.slow_writes_s or spec.kill_during_save:
-        _interfere_with_writes(spec.slow_writes_s, spec.kill_during_save)
+    if spec.slow_writes_s or spec.kill_during_save or spec.disk_full:
+        _interfere_with_writes(spec.slow_writes_s, spec.kill_during_save, spec.disk_full)
     trainer = L.Trainer(
         accelerator=spec.accelerator, devices=spec.devices, strategy=strategy, precision=spec.precision,
         max_steps=spec.steps, accumulate_grad_batches=spec.accumulate,

@@ -3,6 +3,7 @@ DTensor-aware gradient clipping."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 
     from titan_strategy.runtime import ParallelRuntime
 
-__all__ = ["PrecisionMode", "SUPPORTED_PRECISION", "TitanPrecision", "configure_precision", "to_titan_precision"]
+__all__ = ["PrecisionMode", "SUPPORTED_PRECISION", "TitanPrecision", "configure_precision",
+           "drop_lightnings_amp_line", "to_titan_precision"]
 
 TrainerPrecision = Literal["32-true", "bf16-mixed"]
 SUPPORTED_PRECISION: tuple[str, ...] = choices(TrainerPrecision)
@@ -160,7 +162,30 @@ def configure_precision(plugin: TitanPrecision, module: pl.LightningModule, runt
                                                  pipelined=runtime.pipeline is not None)
         mode = "master_weights" if master is not None else "autocast"
     plugin.mode = mode
-    if master is not None:
-        rank_zero_info("TitanStrategy: bf16-mixed on an unsharded model with TritonAdamW: the parameters hold "
-                       "bf16 values and TritonAdamW their fp32 masters (no casts in the step).")
+    if plugin.precision == "bf16-mixed":  # in place of Lightning's AMP line, which the strategy silences
+        rank_zero_info(f"TitanStrategy: bf16-mixed as {_BF16_MIXED_AS[mode]}.")
     return master
+
+
+_BF16_MIXED_AS: dict[PrecisionMode, str] = {
+    "fsdp_mixed": "FSDP2 mixed precision: fp32 sharded parameters, bf16 gathered weights and compute, gradients "
+                  "reduced in fp32 (no autocast)",
+    "master_weights": "bf16 parameters with fp32 masters in TritonAdamW (no autocast, no casts in the step)",
+    "autocast": "torch.autocast over fp32 parameters",
+}
+
+
+class _WithoutLightningsAmpLine(logging.Filter):
+    """Drops "Using bfloat16 Automatic Mixed Precision (AMP)", which Lightning prints while the Trainer builds its
+    precision plugin, before TitanStrategy replaces that plugin (``configure_precision`` then says what runs)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Automatic Mixed Precision (AMP)" not in record.getMessage()
+
+
+def drop_lightnings_amp_line() -> None:
+    """Install the filter on Lightning's rank-zero loggers (once; every Trainer of this process is affected)."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _WithoutLightningsAmpLine) for f in logger.filters):
+            logger.addFilter(_WithoutLightningsAmpLine())

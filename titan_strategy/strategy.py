@@ -44,7 +44,7 @@ from titan_strategy.parallelize.fsdp import ReshardPolicy, no_gradient_sync
 from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
 from titan_strategy.pipeline.layout import PipelineConfig, ScheduleName
 from titan_strategy.plan import PlannedModule
-from titan_strategy.precision import TitanPrecision, configure_precision, to_titan_precision
+from titan_strategy.precision import TitanPrecision, configure_precision, drop_lightnings_amp_line, to_titan_precision
 from titan_strategy.runtime import ParallelRuntime, Stage
 from titan_strategy.sampler import TrainingPosition
 from titan_strategy.step_metrics import log_step_metric
@@ -118,6 +118,7 @@ class TitanStrategy(ParallelStrategy):
         self.config = TitanConfig.from_knobs(**{name: value for name, value in locals().items()
                                                 if name not in _NOT_KNOBS})
         self.config.check_torch()
+        drop_lightnings_amp_line()  # the Trainer announces AMP next; configure_precision says what really runs
         # Unset in Strategy until first read: a Trainer's checkpoint-IO plugin then reaches the setter's check.
         self._titan_checkpoint_io = checkpoint_io_for(checkpoint_mode, checkpoint_io)
         super().__init__(cluster_environment=cluster_environment)

@@ -23,9 +23,12 @@ on train end, teardown and exceptions) finishes whatever is pending.
 
 from __future__ import annotations
 
+import errno
 import shutil
 import time
+from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from threading import Lock
@@ -37,18 +40,25 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from typing_extensions import override
 
-from titan_strategy.checkpoint.dcp import LIGHTNING_STATE_FILE, RankPlace, split_checkpoint, to_bytes
-from titan_strategy.checkpoint.manifest import file_checksums, write_manifest
+from titan_strategy.checkpoint.dcp import (
+    LIGHTNING_STATE_FILE,
+    RankPlace,
+    newest_complete_checkpoint,
+    split_checkpoint,
+    to_bytes,
+)
+from titan_strategy.checkpoint.manifest import checkpoint_bytes, file_checksums, write_manifest
 from titan_strategy.checkpoint.rng import capture_rng_states
 from titan_strategy.checkpoint.weights import read_hyper_parameters, read_model_weights
 from titan_strategy.knobs import check_choice, choices
 
-__all__ = ["CHECKPOINT_MODES", "CheckpointMode", "DistributedCheckpointIO", "SaveTiming", "checked_checkpoint_io",
-           "checkpoint_io_for", "partial_path"]
+__all__ = ["CHECKPOINT_MODES", "CheckpointDiskFullError", "CheckpointMode", "DistributedCheckpointIO", "SaveTiming",
+           "checked_checkpoint_io", "checkpoint_io_for", "partial_path"]
 
 CheckpointMode = Literal["sync", "async", "async_pinned"]
 CHECKPOINT_MODES: tuple[str, ...] = choices(CheckpointMode)
@@ -77,6 +87,35 @@ class _AlreadyStaged(AsyncStager):
 
     def close(self) -> None:
         pass
+
+
+class CheckpointDiskFullError(OSError):
+    """A save that the disk cannot hold: before it started (checked against the last save's size) or while writing."""
+
+
+_FIX = ("Free space there, keep fewer checkpoints (ModelCheckpoint(save_top_k=...)) or save elsewhere "
+        "(ModelCheckpoint(dirpath=...)).")
+
+
+def _ran_out_of_space(error: BaseException) -> bool:
+    """Whether ``error`` comes from a full disk: torch's DCP wraps each rank's failure in a CheckpointException."""
+    seen: list[BaseException | None] = [error]
+    while seen:
+        cause = seen.pop()
+        if cause is None:
+            continue
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return True
+        if isinstance(cause, CheckpointException):
+            seen += [failure for failure, _ in cause.failures.values()]
+        seen += [cause.__cause__, cause.__context__]
+    return False
+
+
+def _existing_folder(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 def _tensor_layout(obj: Any, prefix: str = "") -> list[tuple]:
@@ -136,6 +175,7 @@ class DistributedCheckpointIO(CheckpointIO):
         self._staging: Future | None = None
         self._removals: list[Path] = []
         self._removals_lock = Lock()
+        self._last_save_bytes: int | None = None  # rank 0's: the last published checkpoint's files
 
     def check_device(self, device: torch.device) -> None:
         if self.mode == "async_pinned" and device.type != "cuda":
@@ -161,14 +201,17 @@ class DistributedCheckpointIO(CheckpointIO):
         partial = partial_path(final)
         if self._place.rank == 0:
             _remove(partial)  # left by a save that died
-        dist.barrier(group=self._group)
+        # Every rank, before staging (a full disk fails now, not after the writes); its broadcast also keeps the
+        # others from writing before rank 0 has removed the old partial folder.
+        self._check_free_space(final)
         state = split_checkpoint(checkpoint, self._place, capture_rng_states(self._device))
         lightning_state = to_bytes(checkpoint) if self._place.rank == 0 else None
         writer = dcp.FileSystemWriter(partial, thread_count=_WRITER_THREADS)
         timing = SaveTiming(str(final), blocking_s=0.0)
         self.timings.append(timing)
         if self.mode == "sync":
-            dcp.save(state, storage_writer=writer, process_group=self._group)
+            with self._naming_a_full_disk(final):
+                dcp.save(state, storage_writer=writer, process_group=self._group)
             self._finish(partial, final, lightning_state, timing, started)
             timing.blocking_s = time.perf_counter() - started
             return
@@ -233,9 +276,10 @@ class DistributedCheckpointIO(CheckpointIO):
         dist.gather_object(records, every_rank, dst=0, group=self._group)
         if rank == 0:
             assert every_rank is not None
-            write_manifest(partial, {name: record for ranks in every_rank for name, record in ranks.items()},
-                           world_size=self._place.world_size)
+            files = {name: record for ranks in every_rank for name, record in ranks.items()}
+            write_manifest(partial, files, world_size=self._place.world_size)
             _publish(partial, final)
+            self._last_save_bytes = sum(size for size, _ in files.values())
             self._run_removals()
         dist.barrier(group=self._group)  # when flush returns on any rank, the checkpoint is published
         timing.total_s = time.perf_counter() - started
@@ -254,11 +298,47 @@ class DistributedCheckpointIO(CheckpointIO):
         self._staging = None
         if pending is not None:
             try:
-                pending.result()
-            except Exception as error:
+                with self._naming_a_full_disk(Path(self.timings[-1].path)):
+                    pending.result()
+            except CheckpointDiskFullError:
+                raise
+            except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
                 raise RuntimeError(f"Saving the checkpoint {self.timings[-1].path} failed on rank {self._place.rank}; "
                                    "it was not published and earlier checkpoints are intact.") from error
         self._run_removals()
+
+    def _check_free_space(self, final: Path) -> None:
+        """Rank 0 compares the free space where ``final`` goes with the last checkpoint's size (this run's, or the
+        newest complete one beside it); every rank raises if it does not fit, before anything is written."""
+        verdict: list[str | None] = [None]
+        if self._place.rank == 0:
+            needed = self._last_save_bytes
+            if needed is None and (newest := newest_complete_checkpoint([final.parent])) is not None:
+                needed = checkpoint_bytes(Path(newest))
+            folder = _existing_folder(final.parent)
+            free = shutil.disk_usage(folder).free
+            if needed is not None and free < needed:
+                verdict = [f"Not saving {final}: {folder} has {free:,} bytes free and the last checkpoint took "
+                           f"{needed:,}. Nothing was written and earlier checkpoints are intact. {_FIX}"]
+        dist.broadcast_object_list(verdict, src=0, group=self._group)
+        if verdict[0] is not None:
+            raise CheckpointDiskFullError(errno.ENOSPC, verdict[0])
+
+    @contextmanager
+    def _naming_a_full_disk(self, final: Path) -> Generator[None, None, None]:
+        """A write that ran out of space raises with the folder and the numbers, not torch's bare errno 28."""
+        try:
+            yield
+        except (Exception, CheckpointException) as error:
+            if not _ran_out_of_space(error):
+                raise
+            folder = _existing_folder(final.parent)
+            needed = f"{self._last_save_bytes:,}" if self._last_save_bytes is not None else "unknown (a first save)"
+            raise CheckpointDiskFullError(
+                errno.ENOSPC, f"Saving {final} failed on rank {self._place.rank}: the disk holding {folder} is full "
+                f"({shutil.disk_usage(folder).free:,} bytes free; the last checkpoint took {needed} bytes). It was not "
+                f"published and earlier checkpoints are intact; what was written is in {partial_path(final).name}, "
+                f"removed by the next save. {_FIX}") from error
 
     # ---- removing and loading ---------------------------------------------------------------------
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-__all__ = ["MANIFEST_FILE", "CorruptCheckpointError", "file_checksums", "is_complete", "verify_files",
-           "write_manifest"]
+__all__ = ["MANIFEST_FILE", "CorruptCheckpointError", "checkpoint_bytes", "file_checksums", "is_complete",
+           "verify_files", "write_manifest"]
 
 MANIFEST_FILE = "titan_checkpoint.json"
 _CHUNK_BYTES = 16 << 20
@@ -53,6 +53,12 @@ def write_manifest(directory: Path, files: FileRecords, *, world_size: int) -> N
         stream.flush()
         os.fsync(stream.fileno())
     os.replace(temporary, directory / MANIFEST_FILE)
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    """What a complete checkpoint's files take, from its manifest."""
+    files: FileRecords = json.loads((directory / MANIFEST_FILE).read_text())["files"]
+    return sum(size for size, _ in files.values())
 
 
 def _file_errors(expected: FileRecords, actual: FileRecords) -> list[str]:

@@ -241,10 +241,10 @@ def read_dumps(dump_dir: Path) -> dict[int, RankDump]:
 
 
 def dump_dirs(root: Path) -> Iterable[Path]:
-    """``root`` itself if it holds dumps, else its sub-folders that do (one per run), oldest first."""
+    """Every folder at or under ``root``, at any depth, that holds dumps (one per run), oldest first: a run folder
+    (``default_root_dir``) keeps them in ``flight_recorder/<run-id>/``."""
     def has_dumps(folder: Path) -> bool:
         return any(folder.glob("rank_*.json")) or any(folder.glob(f"{NCCL_DUMP_PREFIX}*"))
 
-    if has_dumps(root):
-        return [root]
-    return sorted((d for d in root.iterdir() if d.is_dir() and has_dumps(d)), key=lambda d: d.stat().st_mtime)
+    folders = [root, *(folder for folder in root.rglob("*") if folder.is_dir())]
+    return sorted((folder for folder in folders if has_dumps(folder)), key=lambda folder: folder.stat().st_mtime)
