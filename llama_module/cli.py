@@ -1,6 +1,7 @@
 """``titan``: LightningCLI over LlamaModule + TextDataModule (``titan fit --config configs/debug.yaml``),
-``titan plan`` (the capacity planner, ``llama_module/plan_cli.py``) and ``titan rehearse`` (one rank of a
-multi-GPU config on this device, ``llama_module/rehearse_cli.py``)."""
+``titan plan`` (the capacity planner, ``llama_module/plan_cli.py``), ``titan rehearse`` (one rank of a
+multi-GPU config on this device, ``llama_module/rehearse_cli.py``) and ``titan report`` (a picture of a run,
+``titan_strategy/report.py``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ OTHER_COMMANDS = """\
 More commands:
   titan plan --model 8B --gpus 128       rank layouts by speed and memory; --check CONFIG.yaml: does it fit?
   titan rehearse --config CONFIG.yaml    run one rank of a multi-GPU config on this device: memory, compute
+  titan report RUN_DIR                   one PNG of a run from its logs: loss, tokens/s and MFU, memory, saves
   titan-hf export|import ...             weights to and from Hugging Face transformers
   titan-fr analyze RUN_DIR               explain a hang from the Flight Recorder dumps under RUN_DIR
 Each takes --help."""
@@ -61,6 +63,10 @@ def main() -> None:
         from llama_module.plan_cli import main as plan
 
         raise SystemExit(plan(sys.argv[2:]))
+    if sys.argv[1:2] == ["report"]:  # `titan report RUN_DIR`: a PNG of a run from its logs
+        from titan_strategy.report import main as report
+
+        raise SystemExit(report(sys.argv[2:]))
     if sys.argv[1:2] == ["rehearse"]:  # `titan rehearse ...`: one rank of the config on this device
         from llama_module.rehearse_cli import main as rehearse
 

@@ -22,6 +22,7 @@ class RunSpec:
     steps: int  # optimizer steps (Trainer max_steps)
     batch_size: int  # per data-parallel rank
     devices: int = 1  # set by launch to its process count
+    num_nodes: int = 1  # Trainer(num_nodes): launches of several torchrun agents (one per "node")
     seed: int = 0
     accelerator: str = "cpu"
     precision: str = "32-true"

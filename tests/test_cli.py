@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import shutil
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, run_command
+from titan_strategy.report import read_scalars
 
 # The same config as a 2-stage pipeline: a V-schedule puts 2 of the 4 blocks' stages on each process.
 PIPELINE = ["--trainer.strategy.init_args.pipeline_parallel_size=2",
@@ -23,15 +23,18 @@ def test_debug_config_trains_validates_and_checkpoints(overrides: list[str], tmp
                                                        test_env: dict[str, str]) -> None:
     # The installed console script; from a plain checkout (no pip install), the same entry point.
     titan = shutil.which("titan")
-    run_command([*([titan] if titan else [sys.executable, "-m", "llama_module.cli"]), "fit", "--config",
-                 str(REPO / "configs" / "debug.yaml"), "--trainer.max_steps=6",
+    command = [titan] if titan else [sys.executable, "-m", "llama_module.cli"]
+    run_command([*command, "fit", "--config", str(REPO / "configs" / "debug.yaml"), "--trainer.max_steps=6",
                  "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
-                 f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-                 f"--trainer.logger.save_dir={tmp_path}", "--trainer.enable_progress_bar=false", *overrides],
+                 f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false", *overrides],
                 test_env, tmp_path)
     [run_dir] = (tmp_path / "lightning_logs").iterdir()
-    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
-    assert any(row.get("train_loss") for row in rows) and any(row.get("val_loss") for row in rows)
+    scalars, log = read_scalars(tmp_path)  # the config's TensorBoard logger
+    assert log.parent == run_dir and len(scalars["train_loss"]) == 6 and len(scalars["val_loss"]) == 2
+    assert {"grad_norm", "lr-AdamW"} <= set(scalars)  # (Throughput's 10-step windows: none in 6 steps)
+    report = run_command([*command, "report", str(tmp_path), "--png", str(tmp_path / "run.png")], test_env, tmp_path)
+    assert (tmp_path / "run.png").read_bytes().startswith(b"\x89PNG")
+    assert "train_loss: " in report.stdout and "checkpoints at steps [6]" in report.stdout  # the best by val_loss
     hparams = yaml.safe_load((run_dir / "hparams.yaml").read_text())
     assert hparams["vocab_size"] == 8448  # linked from the tokenizer
     checkpoints = sorted((run_dir / "checkpoints").iterdir())

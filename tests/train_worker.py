@@ -361,7 +361,8 @@ def main(spec: RunSpec, out_dir: Path) -> None:
     if spec.slow_writes_s or spec.kill_during_save or spec.disk_full:
         _interfere_with_writes(spec.slow_writes_s, spec.kill_during_save, spec.disk_full)
     trainer = L.Trainer(
-        accelerator=spec.accelerator, devices=spec.devices, strategy=strategy, precision=spec.precision,
+        accelerator=spec.accelerator, devices=spec.devices, num_nodes=spec.num_nodes, strategy=strategy,
+        precision=spec.precision,
         max_steps=spec.steps, accumulate_grad_batches=spec.accumulate,
         gradient_clip_val=spec.clip, callbacks=callbacks, logger=False,
         enable_checkpointing=spec.lightning_callbacks or spec.model_checkpoint is not None,

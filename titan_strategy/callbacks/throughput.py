@@ -9,6 +9,7 @@ so a rank's own rate is its batch tokens over time, divided by ``world / dp``. L
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,7 +102,8 @@ class Throughput(Callback):
 
     Logged (to the trainer's loggers): ``throughput/tokens_per_s_per_device``,
     ``throughput/tflops_per_device``, ``throughput/mfu_percent``, ``throughput/data_loading_percent``, and on
-    CUDA ``memory/peak_allocated_gib`` and ``memory/peak_reserved_gib`` over the window.
+    CUDA ``memory/peak_allocated_gib`` and ``memory/peak_reserved_gib`` over the window (on CPU
+    ``memory/host_peak_rss_gib``, the process's high-water mark so far).
     """
 
     def __init__(self, log_every_n_steps: int = 10, flops_per_token: float | None = None,
@@ -259,7 +261,7 @@ def _ranks_per_batch(trainer: pl.Trainer) -> int:
 
 
 def _memory(device: torch.device) -> dict[str, float]:
-    if device.type != "cuda":
-        return {}
+    if device.type != "cuda":  # the host process's high-water mark (Linux reports KiB), so CPU runs have a curve too
+        return {"memory/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
             "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
