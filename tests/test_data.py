@@ -12,7 +12,7 @@ import datasets
 import pytest
 import torch
 
-from llama_module.data import PackedWindows, TextDataModule, load_documents
+from llama_module.data import OFFLINE_CORPUS, PackedWindows, TextDataModule, load_documents, offline_corpus_texts
 from llama_module.tokenizer import Tokenizer
 from llama_module.window_order import ResumableLoader
 from titan_strategy import ELASTIC_POSITION_KEY
@@ -239,3 +239,14 @@ def test_parquet_and_text_files_load(suffix: str, tmp_path: Path) -> None:
         (tmp_path / "corpus.txt").write_text("\n".join(texts) + "\n")
     documents = list(load_documents(str(tmp_path / f"*.{suffix}"), "train"))
     assert [d["text"] for d in documents] == texts
+
+
+def test_the_offline_corpus_comes_with_the_package_and_its_license() -> None:
+    # A few million tokens of real text with a plain `pip install -e .`: no other package, no network.
+    texts = offline_corpus_texts()
+    english = offline_corpus_texts(languages=("en",))
+    assert len(texts) == 26_227 and 10_000 <= len(english) < len(texts)
+    tokens = sum(len(Tokenizer().encode(text)) for text in texts[::100]) * 100  # 1% is enough to count
+    assert tokens > 3_000_000, f"about {tokens:,} tokens"
+    license_text = (OFFLINE_CORPUS.parent / "LICENSE.wikipedia_summaries").read_text()
+    assert "CC BY-SA 4.0" in license_text and "Wikipedia contributors" in license_text
