@@ -22,6 +22,11 @@ __all__ = ["DistributedConfig", "ProcessGroups", "build_process_groups", "init_d
 
 Fn = TypeVar("Fn", bound=Callable)
 
+try:  # torch's local tensors, which simulate every rank in one process; a torch without them simulates nothing
+    from torch.distributed import _local_tensor
+except ImportError:
+    _local_tensor = None
+
 
 @dataclass(frozen=True)
 class DistributedConfig:
@@ -61,30 +66,18 @@ def is_rehearsal() -> bool:
 def per_simulated_rank(function: Fn) -> Fn:
     """``function`` (rank-dependent, no side effects, no collectives) runs once per rank when one process simulates
     every rank (``titan_strategy.simulated_ranks``); otherwise it is called as it is."""
-    try:
-        from torch.distributed._local_tensor import maybe_run_for_local_tensor
-    except ImportError:  # a torch without local tensors cannot simulate ranks either
-        return function
-    return maybe_run_for_local_tensor(function)
+    return function if _local_tensor is None else _local_tensor.maybe_run_for_local_tensor(function)
 
 
 def simulating_ranks() -> bool:
     """Whether this process simulates every rank with local tensors (``titan_strategy.simulated_ranks``)."""
-    try:
-        from torch.distributed._local_tensor import enabled_local_tensor_mode
-    except ImportError:
-        return False
-    return enabled_local_tensor_mode() is not None
+    return _local_tensor is not None and _local_tensor.enabled_local_tensor_mode() is not None
 
 
 def outside_simulated_ranks() -> AbstractContextManager:
     """Plain tensors again while one process simulates every rank: for work every rank does identically
     (building a full tensor to slice shards from, reading data)."""
-    try:
-        from torch.distributed._local_tensor import local_tensor_mode
-    except ImportError:
-        return nullcontext()
-    mode = local_tensor_mode()
+    mode = _local_tensor.local_tensor_mode() if _local_tensor is not None else None
     return mode.disable() if mode is not None else nullcontext()
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from titan_strategy import distributed
 from titan_strategy.distributed import outside_simulated_ranks
 from titan_strategy.rehearsal import RehearsalStrategy, rank_coordinates
 
@@ -34,11 +35,9 @@ __all__ = ["SimulatedRanksStrategy", "check_local_tensors"]
 
 def check_local_tensors() -> None:
     """Raise where this torch cannot simulate ranks."""
-    try:
-        from torch.distributed._local_tensor import LocalTensorMode, maybe_run_for_local_tensor  # noqa: F401
-    except ImportError as error:
+    if distributed._local_tensor is None:
         raise RuntimeError(f"torch {torch.__version__} has no local tensors (torch.distributed._local_tensor), "
-                           "so it cannot simulate ranks in one process; torch 2.11 and later have them.") from error
+                           "so it cannot simulate ranks in one process; torch 2.11 and later have them.")
 
 
 class _DrawnOutsideSimulation:
