@@ -161,11 +161,10 @@ class LlamaModule(L.LightningModule):
         The steps above call it, and so does TitanStrategy under pipeline parallelism, where the schedule runs
         in place of these steps (``parallel_plan`` hands it over).
         """
-        sync_dist = not is_token_weighted(self)  # under TitanStrategy the loss already is every rank's mean
-        if stage == "train":
-            log_step_metric(self, "train_loss", loss, bar_name="loss", sync_dist=sync_dist)
-        else:
-            self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=sync_dist)
+        if stage == "train":  # under TitanStrategy the loss already is every rank's mean: no all-reduce per step
+            log_step_metric(self, "train_loss", loss, bar_name="loss", sync_dist=not is_token_weighted(self))
+        else:  # per epoch, one all-reduce of equal values is cheap (and keeps Lightning from warning about it)
+            self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
 
     def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
         """Next-token logits (bs, seqlen, vocab_size) of ``batch["input_ids"]``."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -63,6 +64,12 @@ def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathF
 
 
 _TELLING = ("Error", "error:", "terminate called", "what():", "Abort", "Fatal", "Signal ", "exitcode")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run_command(command: list[str], env: dict[str, str], cwd: Path,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
-from tests.conftest import launch
+from tests.conftest import free_port, launch, run_command
 from tests.run_spec import RunSpec
 from titan_strategy import (
     CorruptCheckpointError,
@@ -102,6 +103,37 @@ def test_a_full_disk_fails_the_save_with_the_numbers_and_publishes_nothing(disk_
     assert not (folder / "epoch=0-step=4.ckpt").exists(), "a failed save must never carry a checkpoint name"
     loaded = DistributedCheckpointIO().load_checkpoint(previous)  # intact: every file matches its manifest
     assert loaded["state_dict"]["model.tok_embeddings.weight"].shape == (256, 64)
+
+
+# One process saves twice through DCP's background writer process, as async_pinned saves do (any device).
+_WRITER_PROCESS_SAVES = """
+import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from titan_strategy.checkpoint.writer_process import start_quiet_writer
+dist.init_process_group("gloo", world_size=1, rank=0)
+for save in range(2):
+    if sys.argv[1] == "quiet":
+        start_quiet_writer(dist.group.WORLD)
+    state = {"weight": torch.full((4, 4), float(save))}
+    dcp.async_save(state, checkpoint_id=f"{sys.argv[2]}/save{save}",
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    loaded = {"weight": torch.zeros(4, 4)}
+    dcp.load(loaded, checkpoint_id=f"{sys.argv[2]}/save{save}")
+    assert torch.equal(loaded["weight"], state["weight"])
+print("saved and read back twice")
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_background_writer_process_logs_no_info_lines(tmp_path: Path, test_env: dict[str, str]) -> None:
+    logs = {}
+    for how in ("quiet", "torch's"):
+        env = dict(test_env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        result = run_command([sys.executable, "-c", _WRITER_PROCESS_SAVES, how, str(tmp_path / how)], env, tmp_path)
+        assert "saved and read back twice" in result.stdout
+        logs[how] = result.stderr
+    assert logs["torch's"].count("Received async checkpoint request") == 2  # what the quiet start removes
+    assert "Received async checkpoint request" not in logs["quiet"] and " - INFO - " not in logs["quiet"]
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
+from llama_module import LlamaModule
 from tests.conftest import REPO, run_command
 from titan_strategy.report import read_scalars
 
@@ -24,10 +27,17 @@ def test_debug_config_trains_validates_and_checkpoints(overrides: list[str], tmp
     # The installed console script; from a plain checkout (no pip install), the same entry point.
     titan = shutil.which("titan")
     command = [titan] if titan else [sys.executable, "-m", "llama_module.cli"]
-    run_command([*command, "fit", "--config", str(REPO / "configs" / "debug.yaml"), "--trainer.max_steps=6",
-                 "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
-                 f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false", *overrides],
-                test_env, tmp_path)
+    fit = run_command([*command, "fit", "--config", str(REPO / "configs" / "debug.yaml"), "--trainer.max_steps=6",
+                       "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1",
+                       "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={tmp_path}",
+                       "--trainer.enable_progress_bar=false", *overrides], test_env, tmp_path)
+    output = fit.stdout + fit.stderr
+    # The summary's FLOPs are the module's (Lightning's own count says 0), each save says one line, and the
+    # epoch-level val loss raises no sync_dist warning.
+    flops = LlamaModule(model="debug", vocab_size=8448).flops_per_token(128) * 128
+    assert f"Total FLOPs {get_human_readable_count(flops)}: training one 128-token sequence" in output
+    assert "Total FLOPs: 0" not in output and "sync_dist=True" not in output
+    assert re.search(r"Checkpoint of step 6 published: \S+\.ckpt, [0-9.]+ GiB, [0-9.]+ s until published", output)
     [run_dir] = (tmp_path / "lightning_logs").iterdir()
     scalars, log = read_scalars(tmp_path)  # the config's TensorBoard logger
     assert log.parent == run_dir and len(scalars["train_loss"]) == 6 and len(scalars["val_loss"]) == 2

@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import LAUNCH_TIMEOUT_S, REPO
+from tests.conftest import LAUNCH_TIMEOUT_S, REPO, free_port
 from tests.parity import BASE_RUN, GLOBAL_BATCH, ReferenceRun, assert_close_per_step, series
 
 WORKER = REPO / "tests" / "train_worker.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.multiprocess
@@ -35,7 +28,7 @@ def test_two_torchrun_nodes_train_hsdp_across_them_as_one_process(reference_run:
                                strategy={"data_parallel_replicate_size": 2})
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(spec.to_json())
-    port = _free_port()
+    port = free_port()
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
          "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",

@@ -4,6 +4,7 @@ elsewhere (``config``, ``distributed``, ``parallelize``, ``runtime``, ``precisio
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from typing_extensions import override
 
 from titan_strategy.callbacks.flight_recorder import attach_flight_recorder
+from titan_strategy.callbacks.model_summary import with_training_flops
 from titan_strategy.checkpoint import DistributedCheckpointIO, RankPlace, load_model_weights, optimizer_state_dict
 from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
 from titan_strategy.checkpoint.io import CheckpointMode, checked_checkpoint_io, checkpoint_io_for
@@ -119,6 +121,8 @@ class TitanStrategy(ParallelStrategy):
                                                 if name not in _NOT_KNOBS})
         self.config.check_torch()
         drop_lightnings_amp_line()  # the Trainer announces AMP next; configure_precision says what really runs
+        # Lightning 2.6 asks torch 2.13's pytree in a deprecated way, twice a run; nothing a user can act on.
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         # Unset in Strategy until first read: a Trainer's checkpoint-IO plugin then reaches the setter's check.
         self._titan_checkpoint_io = checkpoint_io_for(checkpoint_mode, checkpoint_io)
         super().__init__(cluster_environment=cluster_environment)
@@ -240,6 +244,7 @@ class TitanStrategy(ParallelStrategy):
         precision.on_grad_norm = functools.partial(log_step_metric, module, "grad_norm", bar_name="gnorm")
         precision.before_parameter_update = self.checkpoint_io.wait_for_staging
         self.model_to_device()
+        trainer.callbacks = with_training_flops(trainer.callbacks, trainer, module)  # Lightning's says 0 FLOPs
         if self.config.checkpoint.initial_weights_path is not None:
             load_model_weights(self.config.checkpoint.initial_weights_path, module, self._groups.checkpoint)
         self.barrier()

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -55,6 +55,7 @@ from titan_strategy.checkpoint.dcp import (
 from titan_strategy.checkpoint.manifest import checkpoint_bytes, file_checksums, write_manifest
 from titan_strategy.checkpoint.rng import capture_rng_states
 from titan_strategy.checkpoint.weights import read_hyper_parameters, read_model_weights
+from titan_strategy.checkpoint.writer_process import start_quiet_writer
 from titan_strategy.knobs import check_choice, choices
 
 __all__ = ["CHECKPOINT_MODES", "CheckpointDiskFullError", "CheckpointMode", "DistributedCheckpointIO", "SaveTiming",
@@ -72,6 +73,12 @@ class SaveTiming:
     path: str
     blocking_s: float
     total_s: float | None = None
+    step: int | None = None
+
+    def summary(self, size_bytes: int) -> str:
+        """The one line a save prints when it is published."""
+        return (f"Checkpoint of step {self.step} published: {Path(self.path).name}, {size_bytes / 2**30:.2f} GiB, "
+                f"{self.total_s:.1f} s until published, the training loop held {self.blocking_s:.1f} s.")
 
 
 class _AlreadyStaged(AsyncStager):
@@ -207,13 +214,12 @@ class DistributedCheckpointIO(CheckpointIO):
         state = split_checkpoint(checkpoint, self._place, capture_rng_states(self._device))
         lightning_state = to_bytes(checkpoint) if self._place.rank == 0 else None
         writer = dcp.FileSystemWriter(partial, thread_count=_WRITER_THREADS)
-        timing = SaveTiming(str(final), blocking_s=0.0)
+        timing = SaveTiming(str(final), blocking_s=0.0, step=checkpoint.get("global_step"))
         self.timings.append(timing)
         if self.mode == "sync":
             with self._naming_a_full_disk(final):
                 dcp.save(state, storage_writer=writer, process_group=self._group)
             self._finish(partial, final, lightning_state, timing, started)
-            timing.blocking_s = time.perf_counter() - started
             return
         if self._finisher is None:
             self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-checkpoint")
@@ -258,6 +264,7 @@ class DistributedCheckpointIO(CheckpointIO):
         if self.mode == "async":
             dcp.save(host_state, storage_writer=writer, process_group=self._group)
         else:
+            start_quiet_writer(self._group)
             dcp.async_save(host_state, storage_writer=writer, process_group=self._group, async_stager=_AlreadyStaged(),
                            async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
         self._finish(partial, final, lightning_state, timing, started)
@@ -283,6 +290,11 @@ class DistributedCheckpointIO(CheckpointIO):
             self._run_removals()
         dist.barrier(group=self._group)  # when flush returns on any rank, the checkpoint is published
         timing.total_s = time.perf_counter() - started
+        if self.mode == "sync":
+            timing.blocking_s = timing.total_s
+        if rank == 0:
+            assert self._last_save_bytes is not None
+            rank_zero_info(timing.summary(self._last_save_bytes))
 
     def wait_for_staging(self) -> None:
         """Block until the state of an ``async_pinned`` save is copied off the parameters (before they change)."""
