@@ -46,6 +46,8 @@ def _run_rank(rank: int, world_size: int, port: int, spec_file: Path, out_dir: P
     code = 0
     try:
         train_worker.run(spec_file, out_dir)
+    except SystemExit as exited:  # a run that chose its exit code (a preempted one exits 143)
+        code = exited.code if isinstance(exited.code, int) else 1
     except BaseException:  # noqa: BLE001 - every failure must become an exit code, as in a fresh process
         traceback.print_exc()
         code = 1

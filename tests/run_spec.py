@@ -72,6 +72,9 @@ class RunSpec:
 
     # Fault injection: each patches something only when asked for.
     drill: dict[str, Any] | None = None  # Sabotage's hang drill
+    # {"ranks": [r, ...], "step": k, "signal": "SIGKILL" | "SIGTERM"}: those ranks signal themselves as step k starts,
+    # in a run's first attempt only (not after a torchrun restart)
+    interrupt: dict[str, Any] | None = None
     slow_writes_s: float = 0.0  # added to each DCP shard write
     kill_during_save: dict[str, int] | None = None  # {"rank": r, "save": n}: SIGKILL rank r in its n-th shard write
     # From the second save on the disk is full: "before" (it reports 1,000 bytes free) or "while" (a shard write

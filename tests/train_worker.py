@@ -249,6 +249,19 @@ class Sabotage(Callback):
         setattr(dist, op, skipped)
 
 
+class Interrupt(Callback):
+    """``RunSpec.interrupt``: a preemption (SIGTERM) or a dead rank (SIGKILL) at the start of a step."""
+
+    def __init__(self, interrupt: dict[str, Any]) -> None:
+        self.interrupt = interrupt
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and trainer.global_rank in self.interrupt["ranks"] and \
+                trainer.global_step + 1 == self.interrupt["step"]:
+            os.kill(os.getpid(), signal.Signals[self.interrupt["signal"]])
+
+
 COUNTED_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
                  "on_before_zero_grad", "on_before_optimizer_step", "on_validation_batch_end", "on_validation_end")
 
@@ -354,6 +367,8 @@ def main(spec: RunSpec, out_dir: Path) -> None:
         callbacks.append(FlightRecorder(**spec.flight_recorder))
     if spec.drill is not None:
         callbacks.append(Sabotage(spec.drill, out_dir))
+    if spec.interrupt is not None:
+        callbacks.append(Interrupt(spec.interrupt))
     throughput = Throughput(**spec.throughput) if spec.throughput is not None else None
     memory_probe = MemoryProbe(spec.memory_probe_step) if spec.memory_probe_step is not None else None
     callbacks += [callback for callback in (throughput, memory_probe) if callback is not None]

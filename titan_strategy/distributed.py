@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -50,11 +51,13 @@ class DistributedConfig:
 
 @dataclass(frozen=True)
 class ProcessGroups:
-    """What a run communicates over: the named mesh, and a gloo group that only checkpoints use, so that
-    background saves never interleave with the training loop's collectives."""
+    """What a run communicates over: the named mesh, a gloo group that only checkpoints use, so that background
+    saves never interleave with the training loop's collectives, and a gloo group for the loop's own small
+    agreements on the host (whether any rank got SIGTERM), which must not interleave with either."""
 
     mesh: TitanMesh
     checkpoint: dist.ProcessGroup
+    host_control: dist.ProcessGroup
 
 
 def is_rehearsal() -> bool:
@@ -86,13 +89,25 @@ def init_default_group(cluster_environment: ClusterEnvironment, device: torch.de
     """The default process group over every rank (a no-op where it exists already)."""
     backend = config.backend or _get_default_process_group_backend_for_device(device)
     device_id = device if device.type != "cpu" else None
-    _init_dist_connection(cluster_environment, backend, timeout=config.timeout, device_id=device_id)
+    store = {"store": store} if (store := _store_of_this_attempt(config.timeout)) is not None else {}
+    _init_dist_connection(cluster_environment, backend, timeout=config.timeout, device_id=device_id, **store)
+
+
+def _store_of_this_attempt(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun, workers meet in the agent's store, and a restarted attempt meets in the same one: it would
+    read the dead attempt's keys (gloo's peer addresses) and time out connecting to them. Each attempt gets its own
+    prefix; None outside torchrun."""
+    if dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"titan/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def build_process_groups(dims: ParallelDims, device: torch.device, config: DistributedConfig) -> ProcessGroups:
-    """The mesh and the checkpoint group, over the default group (every rank calls this, in the same order)."""
+    """The mesh and the two host groups, over the default group (every rank calls this, in the same order)."""
     mesh = build_mesh(dims, device.type)
     # A rehearsal's fake default group has no peers for gloo to meet: its checkpoint group is fake too.
     backend = None if is_rehearsal() else "gloo"
     checkpoint = dist.new_group(backend=backend, timeout=config.timeout, group_desc=UNSHORTENED_GROUP_DESC)
-    return ProcessGroups(mesh=mesh, checkpoint=checkpoint)
+    host_control = dist.new_group(backend=backend, timeout=config.timeout, group_desc="host_control")
+    return ProcessGroups(mesh=mesh, checkpoint=checkpoint, host_control=host_control)

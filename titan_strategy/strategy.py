@@ -47,6 +47,7 @@ from titan_strategy.parallelize.materialize import materialize_with_reset_parame
 from titan_strategy.pipeline.layout import PipelineConfig, ScheduleName
 from titan_strategy.plan import PlannedModule
 from titan_strategy.precision import TitanPrecision, configure_precision, drop_lightnings_amp_line, to_titan_precision
+from titan_strategy.preemption import watch_for_preemption
 from titan_strategy.runtime import ParallelRuntime, Stage
 from titan_strategy.sampler import TrainingPosition
 from titan_strategy.step_metrics import log_step_metric
@@ -96,6 +97,8 @@ class TitanStrategy(ParallelStrategy):
         checkpoint_mode: how checkpoints are written: "sync"; "async" (host copy in the loop, background thread);
             "async_pinned" (CUDA: pinned copy on a side stream, background process).
         auto_resume: ``fit`` without a ``ckpt_path`` resumes from the newest complete ``ModelCheckpoint`` save.
+        save_on_sigterm: on SIGTERM (preemption) every rank saves the current step into the ``ModelCheckpoint``
+            folder, waits until it is published and exits with 143, for the launcher to restart the job.
     """
 
     strategy_name = "titan"
@@ -114,6 +117,7 @@ class TitanStrategy(ParallelStrategy):
         activation_checkpointing: ACMode = "none", activation_checkpointing_every: int = 2,
         process_group_backend: str | None = None, timeout_seconds: float = 1800.0, flight_recorder: bool = False,
         initial_weights: str | None = None, checkpoint_mode: CheckpointMode = "sync", auto_resume: bool = False,
+        save_on_sigterm: bool = True,
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: DistributedCheckpointIO | None = None,
     ) -> None:
         # The flat knobs are the public contract (YAML, CLI); here they become one validated object per feature.
@@ -250,6 +254,8 @@ class TitanStrategy(ParallelStrategy):
         self.barrier()
         if fitting := trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.config.checkpoint.save_on_sigterm:
+                watch_for_preemption(trainer, self._groups.host_control)
         self._master_weights = configure_precision(precision, module, self.runtime, self.optimizers)
         self.setup_precision_plugin()
         if self.config.checkpoint.auto_resume and fitting and trainer.ckpt_path is None:

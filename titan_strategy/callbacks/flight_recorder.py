@@ -136,7 +136,7 @@ class FlightRecorder(Callback):
         return path
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._watchdog is None:
+        if self._watchdog is None or isinstance(exception, SystemExit):  # e.g. a preempted run that saved and left
             return
         reason = f"{type(exception).__name__}: {str(exception).splitlines()[0] if str(exception) else ''}"
         self.dump(reason, python_stack(exception.__traceback__))

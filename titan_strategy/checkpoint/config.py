@@ -23,6 +23,9 @@ class CheckpointConfig:
     """A checkpoint whose model weights replace the initialization (optimizer and loop state start fresh)."""
     auto_resume: bool = knob("auto_resume", False)
     """``fit`` without a ``ckpt_path`` resumes from the newest complete checkpoint a ``ModelCheckpoint`` wrote."""
+    save_on_sigterm: bool = knob("save_on_sigterm", True)
+    """On SIGTERM (preemption), save the current step into the ``ModelCheckpoint`` folder, wait until it is
+    published and exit with 143 (``titan_strategy.preemption``)."""
 
     def __post_init__(self) -> None:
         check_choice("checkpoint_mode", self.mode, CheckpointMode)

@@ -1,4 +1,5 @@
-"""Auto-resume: a restarted job picks up from the newest complete checkpoint its ``ModelCheckpoint`` wrote."""
+"""Auto-resume: a restarted job picks up from the newest complete checkpoint its ``ModelCheckpoint`` wrote, and says
+how many steps it trains again."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from titan_strategy.checkpoint.dcp import newest_complete_checkpoint
+from titan_strategy.preemption import replay_report
 
 __all__ = ["resume_from_newest"]
 
@@ -28,3 +30,5 @@ def resume_from_newest(trainer: pl.Trainer) -> None:
         rank_zero_info(f"auto_resume: no complete checkpoint in {[str(f) for f in folders]}; training from the start.")
         return
     trainer._checkpoint_connector.resume_start(newest)
+    resumed_step = trainer._checkpoint_connector._loaded_checkpoint.get("global_step", 0)
+    rank_zero_info(replay_report(Path(newest).parent, Path(newest).name, resumed_step))

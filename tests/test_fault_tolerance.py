@@ -1,0 +1,87 @@
+"""Surviving failures with the launchers people use: a preempted run (SIGTERM) saves and continues exactly; a rank
+killed under ``torchrun --max-restarts`` is restarted, auto-resumes and replays what the uninterrupted run did."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import LAUNCH_TIMEOUT_S, REPO, free_port, launch
+from tests.parity import BASE_RUN, GLOBAL_BATCH, STEPS, ReferenceRun, series
+from tests.run_spec import RunSpec
+from titan_strategy.preemption import PREEMPTED_EXIT_CODE
+
+pytestmark = pytest.mark.multiprocess
+
+WORKER = REPO / "tests" / "train_worker.py"
+REPLAY_RTOL = 1e-6
+
+
+def _two_rank_run(folder: Path, every_n_steps: int, mode: str) -> RunSpec:
+    return dataclasses.replace(BASE_RUN, batch_size=GLOBAL_BATCH // 2, timeout_seconds=20,
+                               strategy={"checkpoint_mode": mode, "auto_resume": True},
+                               model_checkpoint={"dirpath": str(folder), "every_n_train_steps": every_n_steps,
+                                                 "save_top_k": -1})
+
+
+def _assert_replays(losses: list[float], single_process: list[float], first_step: int) -> None:
+    """The steps from ``first_step`` on match the uninterrupted single-process run's."""
+    assert len(losses) == STEPS - first_step + 1, losses
+    for step, (loss, expected) in enumerate(zip(losses, single_process[first_step - 1:]), start=first_step):
+        assert abs(loss - expected) <= REPLAY_RTOL * abs(expected), f"step {step}: {loss} vs uninterrupted {expected}"
+
+
+def _complete(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir() if (path / "titan_checkpoint.json").is_file())
+
+
+def test_sigterm_saves_the_current_step_and_a_relaunch_continues_exactly(reference_run: ReferenceRun, tmp_path: Path,
+                                                                       test_env: dict[str, str]) -> None:
+    folder = tmp_path / "checkpoints"
+    spec = _two_rank_run(folder, every_n_steps=100, mode="async")  # no save but the preemption's
+    with pytest.raises(AssertionError, match=f"exitcode {PREEMPTED_EXIT_CODE}"):
+        launch(2, dataclasses.replace(spec, interrupt={"ranks": [0, 1], "step": 4, "signal": "SIGTERM"}),
+               tmp_path / "preempted", test_env)
+    assert _complete(folder) == ["preempted-epoch=0-step=4.ckpt"]
+    assert not [path for path in folder.iterdir() if path.name.endswith(".partial")]
+    resumed = launch(2, spec, tmp_path / "relaunched", test_env)
+    assert [step["step"] for step in resumed[0]["steps"]] == list(range(5, STEPS + 1))
+    single_process = series(reference_run(BASE_RUN), "train_loss")
+    for record in resumed:
+        _assert_replays(series(record, "train_loss"), single_process, first_step=5)
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_run_replays_exactly(reference_run: ReferenceRun, tmp_path: Path,
+                                                                     test_env: dict[str, str]) -> None:
+    killed_at = random.Random().randint(4, STEPS - 1)  # a random step, named in every failure message
+    folder = tmp_path / "checkpoints"
+    spec = dataclasses.replace(_two_rank_run(folder, every_n_steps=3, mode="async"),
+                               interrupt={"ranks": [1], "step": killed_at, "signal": "SIGKILL"})
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(dataclasses.replace(spec, devices=2).to_json())
+    agent = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "2",
+         "--monitor-interval", "0.5", str(WORKER), str(spec_file), str(tmp_path)],
+        env=test_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=LAUNCH_TIMEOUT_S)
+    output = f"(rank 1 killed as step {killed_at} started)\n{agent.stdout[-6000:]}"
+    assert agent.returncode == 0, output
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    first_step = records[0]["steps"][0]["step"]  # the restarted attempt's; its checkpoint was step first_step - 1
+    newest_save = 3 * ((killed_at - 1) // 3)  # or the one before, if that async save was still being written
+    assert first_step - 1 in (newest_save, newest_save - 3) and first_step - 1 >= 3, output
+    replayed = killed_at - 1 - (first_step - 1)
+    message = (f"resuming at step {first_step - 1} from epoch=0-step={first_step - 1}.ckpt; the previous attempt "
+               f"reached step {killed_at - 1}, so {replayed} step")
+    assert message in agent.stdout and re.search(rf"so {replayed} steps? (is|are) replayed", agent.stdout), output
+    single_process = series(reference_run(BASE_RUN), "train_loss")
+    for record in records:
+        _assert_replays(series(record, "train_loss"), single_process, first_step)
