@@ -37,7 +37,7 @@ PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 PROGRESS_FILE = ".titan_progress.json"
 
 
-def checkpoint_folder(trainer: pl.Trainer) -> Path | None:
+def _checkpoint_folder(trainer: pl.Trainer) -> Path | None:
     """The first ``ModelCheckpoint``'s folder (what ``auto_resume`` searches), if any."""
     return next((Path(callback.dirpath) for callback in trainer.checkpoint_callbacks
                  if isinstance(callback, ModelCheckpoint) and callback.dirpath), None)
@@ -51,7 +51,7 @@ class _SaveOnPreemption(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning registers its handlers right before training; its teardown restores the ones from before it.
-        self._folder = checkpoint_folder(trainer)
+        self._folder = _checkpoint_folder(trainer)
         if self._folder is not None:
             signal.signal(signal.SIGTERM, self._note_signal)
 
