@@ -10,9 +10,10 @@ waits until it is published and exits with ``PREEMPTED_EXIT_CODE`` (128 + SIGTER
 reports for a process that SIGTERM ended), which torchrun ``--max-restarts``, SLURM ``--requeue`` and
 Kubernetes restart policies treat as a failure to start again. ``auto_resume`` then continues from it.
 
-Rank 0 also keeps ``.titan_progress.json`` in that folder: the last step any attempt finished. On a
-restart, ``replay_report`` compares it with the checkpoint resumed from: the steps between are
-trained again (after a ``kill -9``), none after a preemption save.
+Under ``auto_resume``, rank 0 also keeps ``.titan_progress.json`` in that folder: the last step any attempt
+finished. On a restart, ``replay_report`` compares it with the checkpoint resumed from: the steps between are
+trained again (after a ``kill -9``), none after a preemption save. Without ``auto_resume`` nothing reads it, and
+the folder holds checkpoints alone.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def _checkpoint_folder(trainer: pl.Trainer) -> Path | None:
 
 
 class _SaveOnPreemption(Callback):
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, track_progress: bool) -> None:
         self._group = group
+        self._track_progress = track_progress
         self._signalled = False
         self._folder: Path | None = None
 
@@ -63,7 +65,7 @@ class _SaveOnPreemption(Callback):
         if self._folder is None or (batch_idx + 1) % trainer.accumulate_grad_batches:
             return  # only after an optimizer step: a checkpoint holds no half-accumulated gradients
         step = trainer.global_step
-        if trainer.is_global_zero:
+        if self._track_progress and trainer.is_global_zero:
             _write_progress(self._folder, step)
         signalled = torch.tensor([int(self._signalled)])
         dist.all_reduce(signalled, op=dist.ReduceOp.MAX, group=self._group)
@@ -78,10 +80,11 @@ class _SaveOnPreemption(Callback):
         raise SIGTERMException(PREEMPTED_EXIT_CODE)
 
 
-def watch_for_preemption(trainer: pl.Trainer, group: dist.ProcessGroup) -> None:
-    """Add the SIGTERM-saving callback to ``trainer`` (once; it does nothing without a ModelCheckpoint folder)."""
+def watch_for_preemption(trainer: pl.Trainer, group: dist.ProcessGroup, track_progress: bool) -> None:
+    """Add the SIGTERM-saving callback to ``trainer`` (once; it does nothing without a ModelCheckpoint folder).
+    ``track_progress`` (under ``auto_resume``) keeps the last finished step for ``replay_report``."""
     if not any(isinstance(callback, _SaveOnPreemption) for callback in trainer.callbacks):
-        trainer.callbacks.append(_SaveOnPreemption(group))
+        trainer.callbacks.append(_SaveOnPreemption(group, track_progress))
 
 
 def _write_progress(folder: Path, step: int) -> None:

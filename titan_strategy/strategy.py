@@ -255,7 +255,8 @@ class TitanStrategy(ParallelStrategy):
         if fitting := trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.config.checkpoint.save_on_sigterm:
-                watch_for_preemption(trainer, self._groups.host_control)
+                watch_for_preemption(trainer, self._groups.host_control,
+                                     track_progress=self.config.checkpoint.auto_resume)
         self._master_weights = configure_precision(precision, module, self.runtime, self.optimizers)
         self.setup_precision_plugin()
         if self.config.checkpoint.auto_resume and fitting and trainer.ckpt_path is None:
