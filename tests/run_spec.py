@@ -72,9 +72,16 @@ class RunSpec:
 
     # Fault injection: each patches something only when asked for.
     drill: dict[str, Any] | None = None  # Sabotage's hang drill
-    # {"ranks": [r, ...], "step": k, "signal": "SIGKILL" | "SIGTERM"}: those ranks signal themselves as step k starts,
-    # in a run's first attempt only (not after a torchrun restart)
+    # {"ranks": [r, ...], "step": k, "signal": "SIGKILL" | "SIGTERM"}: those ranks signal themselves as step k starts
+    # (or, with "at": "backward", after its forward), in a run's first attempt only (not after a torchrun restart)
     interrupt: dict[str, Any] | None = None
+    # torchft replica-group drills: [{"step": k, "file": path, "grace_s": s}, ...]: wait as step k starts (step 0: in
+    # the run's set-up) until the file exists (another group has started), then s seconds more; announce_file:
+    # written as the run's set-up begins; record each rank's digest of its parameter shards after fit
+    # ("parameter_digest").
+    wait_for_files: list[dict[str, Any]] = field(default_factory=list)
+    announce_file: str | None = None
+    record_parameter_digest: bool = False
     slow_writes_s: float = 0.0  # added to each DCP shard write
     kill_during_save: dict[str, int] | None = None  # {"rank": r, "save": n}: SIGKILL rank r in its n-th shard write
     # From the second save on the disk is full: "before" (it reports 1,000 bytes free) or "while" (a shard write

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import random
@@ -33,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.distributed_c10d as c10d
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import titan_strategy.checkpoint.io as checkpoint_io
@@ -256,10 +258,44 @@ class Interrupt(Callback):
         self.interrupt = interrupt
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.interrupt.get("at", "batch_start") == "batch_start":
+            self._maybe_signal(trainer)
+
+    def on_before_backward(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.interrupt.get("at") == "backward":
+            self._maybe_signal(trainer)
+
+    def _maybe_signal(self, trainer: L.Trainer) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and trainer.global_rank in self.interrupt["ranks"] and \
                 trainer.global_step + 1 == self.interrupt["step"]:
             os.kill(os.getpid(), signal.Signals[self.interrupt["signal"]])
+
+
+class RejoinGate(Callback):
+    """``RunSpec.wait_for_files`` and ``announce_file``: a replica group waits at a step until another one has
+    started, so that the groups meet in the step the drill needs (the first, or one before the run ends)."""
+
+    def __init__(self, wait_for_files: list[dict[str, Any]], announce_file: str | None) -> None:
+        self.gates = {gate["step"]: gate for gate in wait_for_files}
+        self.announce_file = announce_file
+
+    def setup(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.announce_file is not None and trainer.global_rank == 0:
+            Path(self.announce_file).touch()
+        self._wait(self.gates.get(0))  # step 0: before the strategy's set-up (a torchft group's first quorum)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._wait(self.gates.get(trainer.global_step + 1))
+
+    @staticmethod
+    def _wait(gate: dict[str, Any] | None) -> None:
+        if gate is None:
+            return
+        deadline = time.monotonic() + gate.get("timeout_s", 120)
+        while not Path(gate["file"]).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(gate.get("grace_s", 0))  # the relaunched group's setup reaches its quorum request meanwhile
 
 
 COUNTED_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
@@ -293,7 +329,7 @@ class Recorder(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         metrics = trainer.callback_metrics
-        record = {"step": trainer.global_step, "train_loss": float(metrics["train_loss"])}
+        record = {"step": trainer.global_step, "train_loss": float(metrics["train_loss"]), "time": time.monotonic()}
         if "sample_id" in batch:
             record["sample_ids"] = batch["sample_id"].tolist()
         stepped = not self.steps or self.steps[-1]["step"] != trainer.global_step
@@ -369,6 +405,8 @@ def main(spec: RunSpec, out_dir: Path) -> None:
         callbacks.append(Sabotage(spec.drill, out_dir))
     if spec.interrupt is not None:
         callbacks.append(Interrupt(spec.interrupt))
+    if spec.wait_for_files or spec.announce_file is not None:
+        callbacks.append(RejoinGate(spec.wait_for_files, spec.announce_file))
     throughput = Throughput(**spec.throughput) if spec.throughput is not None else None
     memory_probe = MemoryProbe(spec.memory_probe_step) if spec.memory_probe_step is not None else None
     callbacks += [callback for callback in (throughput, memory_probe) if callback is not None]
@@ -418,6 +456,12 @@ def main(spec: RunSpec, out_dir: Path) -> None:
               "callbacks": [type(c).__name__ for c in trainer.callbacks]}
     if removal_log is not None:
         result["removals"] = removal_log.removals
+    if spec.record_parameter_digest:  # bitwise: the sha256 of this rank's parameter shards, in order
+        digest = hashlib.sha256()
+        for parameter in model.parameters():
+            local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+            digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        result["parameter_digest"] = digest.hexdigest()
     if memory_probe is not None:
         result["peak_memory_bytes"] = memory_probe.peak_bytes
     if throughput is not None:

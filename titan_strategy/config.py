@@ -11,6 +11,7 @@ import torch
 
 from titan_strategy.checkpoint.config import CheckpointConfig
 from titan_strategy.distributed import DistributedConfig
+from titan_strategy.fault_tolerance import FaultToleranceConfig
 from titan_strategy.knobs import KNOB
 from titan_strategy.mesh import MeshConfig
 from titan_strategy.parallelize.activation_checkpoint import ActivationCheckpointConfig
@@ -45,6 +46,7 @@ class TitanConfig:
     float8: Float8Config = field(default_factory=Float8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def __post_init__(self) -> None:
         if self.mesh.pp != self.pipeline.size:
@@ -53,6 +55,7 @@ class TitanConfig:
         problem = compiled_zero_bubble_problem(self.compile.blocks, self.pipeline.size, self.pipeline.schedule)
         if problem:
             raise ValueError(problem)
+        self.fault_tolerance.check_layout(self.mesh, self.pipeline.size)
         if self.tensor_parallel.async_tp and not self.compile.blocks:
             raise ValueError("async_tensor_parallel=True needs compile=True: AsyncTP is an inductor pass over "
                              "compiled blocks. Set compile=True, or async_tensor_parallel=False.")

@@ -17,6 +17,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -34,6 +35,7 @@ from titan_strategy.checkpoint.rng import ResumedRngStates
 from titan_strategy.collectives import all_reduce, barrier, broadcast_object
 from titan_strategy.config import PLUGIN_ARGUMENTS, TitanConfig
 from titan_strategy.distributed import ProcessGroups, build_process_groups, init_default_group
+from titan_strategy.fault_tolerance import FaultTolerance, ReplicaGroups
 from titan_strategy.launcher import ModuleCheckingLauncher
 from titan_strategy.master_weights import MasterWeights
 from titan_strategy.mesh import ParallelDims, TitanMesh
@@ -99,6 +101,13 @@ class TitanStrategy(ParallelStrategy):
         auto_resume: ``fit`` without a ``ckpt_path`` resumes from the newest complete ``ModelCheckpoint`` save.
         save_on_sigterm: on SIGTERM (preemption) every rank saves the current step into the ``ModelCheckpoint``
             folder, waits until it is published and exits with 143, for the launcher to restart the job.
+        fault_tolerance: "torchft" runs each of the ``data_parallel_replicate_size`` replicas as a torchft replica
+            group, a job of its own that trains on when another dies and takes a live peer's state when it rejoins
+            (``titan_strategy.fault_tolerance``); "none" (default).
+        torchft_lighthouse: the torchft lighthouse's address ("http://host:29510"); None reads TORCHFT_LIGHTHOUSE.
+        replica_group_id: this job's replica group (0 .. data_parallel_replicate_size - 1); None reads
+            TITAN_REPLICA_GROUP_ID.
+        min_replica_groups: replica groups that must be alive for a step to commit.
     """
 
     strategy_name = "titan"
@@ -117,13 +126,15 @@ class TitanStrategy(ParallelStrategy):
         activation_checkpointing: ACMode = "none", activation_checkpointing_every: int = 2,
         process_group_backend: str | None = None, timeout_seconds: float = 1800.0, flight_recorder: bool = False,
         initial_weights: str | None = None, checkpoint_mode: CheckpointMode = "sync", auto_resume: bool = False,
-        save_on_sigterm: bool = True,
+        save_on_sigterm: bool = True, fault_tolerance: FaultTolerance = "none", torchft_lighthouse: str | None = None,
+        replica_group_id: int | None = None, min_replica_groups: int = 1,
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: DistributedCheckpointIO | None = None,
     ) -> None:
         # The flat knobs are the public contract (YAML, CLI); here they become one validated object per feature.
         self.config = TitanConfig.from_knobs(**{name: value for name, value in locals().items()
                                                 if name not in _NOT_KNOBS})
         self.config.check_torch()
+        self.config.fault_tolerance.check_job(self.config.mesh.dp_replicate)
         drop_lightnings_amp_line()  # the Trainer announces AMP next; configure_precision says what really runs
         # Lightning 2.6 asks torch 2.13's pytree in a deprecated way, twice a run; nothing a user can act on.
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
@@ -133,6 +144,7 @@ class TitanStrategy(ParallelStrategy):
         self.runtime: ParallelRuntime | None = None
         self._master_weights: MasterWeights | None = None
         self._groups: ProcessGroups | None = None
+        self._replicas: ReplicaGroups | None = None
         self._resumed_rng = ResumedRngStates()
         self._training_position = TrainingPosition()
 
@@ -145,7 +157,7 @@ class TitanStrategy(ParallelStrategy):
     @functools.cached_property
     def parallel_dims(self) -> ParallelDims:
         """The validated degrees; resolving them needs the world size, known once devices are set."""
-        return self.config.mesh.resolve(self.num_nodes * self.num_processes)
+        return self.config.fault_tolerance.process_mesh(self.config.mesh).resolve(self.num_nodes * self.num_processes)
 
     @property
     def device_mesh(self) -> TitanMesh:
@@ -207,6 +219,9 @@ class TitanStrategy(ParallelStrategy):
         if self._groups is None:  # a later trainer.validate/test/predict keeps the mesh the model is sharded on
             self._groups = build_process_groups(self.parallel_dims, self.root_device, self.config.distributed)
         self.checkpoint_io.setup(self._groups.checkpoint, self._rank_place(), self.root_device)
+        if self.config.fault_tolerance.enabled and self._replicas is None:
+            self._replicas = ReplicaGroups(self.config.fault_tolerance, self.config.mesh.dp_replicate,
+                                           self.root_device, self.config.distributed.timeout)
         self.lightning_module._device_mesh = self._groups.mesh
 
     def set_world_ranks(self) -> None:
@@ -261,6 +276,12 @@ class TitanStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if self.config.checkpoint.auto_resume and fitting and trainer.ckpt_path is None:
             resume_from_newest(trainer)
+        if self._replicas is not None and fitting:
+            self._replicas.attach(trainer, self.model, self.runtime)
+            peer_state = self._replicas.first_quorum()
+            if peer_state is not None:  # Lightning restores the loop, schedules and callbacks from it, as on resume
+                trainer._checkpoint_connector._loaded_checkpoint = peer_state
+                self._training_position.load(peer_state)
 
     def _parallelize_or_materialize(self, module: pl.LightningModule, precision: TitanPrecision) -> None:
         """A planned module is parallelized once (a later validate/test keeps it); one that parallelized itself
@@ -289,6 +310,8 @@ class TitanStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._replicas is not None:  # this replica group's rows of the batch
+            args = (self._replicas.share(args[0]), *args[1:])
         return self._step("train", super().training_step, args, kwargs)
 
     @override
@@ -327,6 +350,8 @@ class TitanStrategy(ParallelStrategy):
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
         self._resumed_rng.before_batch(self.root_device)
+        if self._replicas is not None:
+            self._replicas.step_begins(self._lightning_state(module.trainer))
         self._training_position.batch_started()
 
     @override
@@ -341,7 +366,10 @@ class TitanStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.runtime is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        output = super().optimizer_step(optimizer, self.runtime.weighted_closure(closure, optimizer), model, **kwargs)
+        closure = self.runtime.weighted_closure(closure, optimizer)
+        if self._replicas is not None:
+            closure = self._replicas.committed(closure, functools.partial(optimizer.zero_grad, set_to_none=True))
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.runtime.after_optimizer_step()
         return output
 
@@ -434,6 +462,18 @@ class TitanStrategy(ParallelStrategy):
         if self.lightning_module.trainer.state.status != TrainerStatus.RUNNING:  # else nothing flushes it at the end
             self.checkpoint_io.flush()
 
+    def _lightning_state(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """What a checkpoint holds beside the model and optimizers, as it stands now (a rejoining replica group's)."""
+        state = {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
+                 "pytorch-lightning_version": pl.__version__,
+                 "loops": trainer._checkpoint_connector._get_loops_state_dict(),
+                 "callbacks": call._call_callbacks_state_dict(trainer),
+                 "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
+        if trainer.datamodule is not None:
+            state[type(trainer.datamodule).__qualname__] = trainer.datamodule.state_dict()
+        self._training_position.save(state)
+        return state
+
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         self.checkpoint_io.flush()
@@ -452,6 +492,9 @@ class TitanStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        if self._replicas is not None:
+            self._replicas.shutdown()
+            self._replicas = None
         if self._master_weights is not None:  # the parameters hold their fp32 masters again
             self._master_weights.release()
             self._master_weights = None

@@ -21,7 +21,7 @@ averages several means.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,15 +99,20 @@ class TokenWeighting:
         self._window: Tensor | None = None  # (sum, count) of the window so far, over the loss mesh
         self._reference: Tensor | None = None  # the token count the window's backward scale assumed
         self._rescale = False
+        # Under torchft replica groups: sums a tensor over the groups of the step's quorum (training only; each
+        # group evaluates every row itself).
+        self.across_replicas: Callable[[Tensor], None] | None = None
         self.in_use = False  # the module's training steps hand over their token sums
         self.mean_warning = _MeanOfMeansWarning()
 
     def mean(self, loss_sum: Tensor, num_tokens: Tensor, *, training: bool, accumulate: int) -> Tensor:
         """``token_mean`` under TitanStrategy."""
         self.in_use = self.in_use or training
-        if self._gradient_average == 1 and accumulate == 1:  # one batch of one rank: its mean is the mean
-            return loss_sum / num_tokens.clamp(min=1)
+        if self._gradient_average == 1 and accumulate == 1 and self.across_replicas is None:
+            return loss_sum / num_tokens.clamp(min=1)  # one batch of one rank: its mean is the mean
         totals = self._reduce(loss_sum, num_tokens)
+        if training and self.across_replicas is not None:
+            self.across_replicas(totals)
         if not training:
             return _mean(totals).to(loss_sum.dtype)
         if self._window is None:

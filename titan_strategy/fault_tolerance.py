@@ -1,0 +1,323 @@
+"""Training on through a dead replica group, with no restart: HSDP's replicate dimension run as torchft replica groups.
+
+With ``fault_tolerance="torchft"``, each of the ``data_parallel_replicate_size`` replicas is a job of its own
+(its own launcher, processes and process groups: FSDP, TP and CP stay inside it). The groups meet through a
+torchft lighthouse. Every optimizer step:
+
+1. the group asks the lighthouse for the step's quorum (which groups are alive), through torchft's ``Manager``;
+2. it trains its share of the step's batch: every group's loader yields the same rows (the batch of one
+   in-group data rank for all groups together), and participant ``p`` of ``n`` trains rows ``p::n``. When a
+   group is gone the survivors cover its rows: the global batch stays the same samples, none skipped or
+   repeated, and the loss stays the mean over all of them (token counts are summed across groups);
+3. FSDP's reduce-scattered gradients are summed across the participating groups (an all-reduce hook);
+4. the optimizer steps only if every group's collectives succeeded (``should_commit``); otherwise the same batch
+   is trained again under a new quorum, inside the same Lightning step (the step count, the learning-rate
+   schedule and the data position never see the failed attempt).
+
+A group that (re)joins asks for a quorum once during ``setup``, before Lightning's loop starts. If it is behind,
+torchft fetches the live peer's state: each rank the same in-group rank's parameter and optimizer shards, and the
+loop, learning-rate schedule, callbacks and data position as they were when that step began. Lightning then
+restores those as from a checkpoint, and the group trains the peer's current step with it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlparse
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
+
+from titan_strategy.knobs import check_choice, check_positive, knob
+
+if TYPE_CHECKING:
+    from titan_strategy.mesh import MeshConfig
+    from titan_strategy.runtime import ParallelRuntime
+
+__all__ = ["FaultTolerance", "FaultToleranceConfig", "LIGHTHOUSE_ENV", "REPLICA_GROUP_ENV", "ReplicaGroups"]
+
+FaultTolerance = Literal["none", "torchft"]
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable
+REPLICA_GROUP_ENV = "TITAN_REPLICA_GROUP_ID"
+# Consecutive uncommitted attempts of one step before the run fails: one for the failure itself, one more for a
+# quorum that formed while a dead group's heartbeat had not yet timed out.
+MAX_UNCOMMITTED_ATTEMPTS = 3
+_LIGHTHOUSE_PROBE_S = 5.0
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    """Which fault-tolerance engine runs the replicate dimension, and where its lighthouse is."""
+
+    mode: FaultTolerance = knob("fault_tolerance", "none")
+    """"none"; "torchft": each HSDP replica is a torchft replica group that trains on when others die."""
+    lighthouse: str | None = knob("torchft_lighthouse", None)
+    """The lighthouse's address, e.g. "http://host:29510"; None reads ``TORCHFT_LIGHTHOUSE``."""
+    replica_group_id: int | None = knob("replica_group_id", None)
+    """This job's replica group, 0 .. data_parallel_replicate_size - 1; None reads ``TITAN_REPLICA_GROUP_ID``."""
+    min_replica_groups: int = knob("min_replica_groups", 1)
+    """Groups that must be alive for a step to commit."""
+
+    def __post_init__(self) -> None:
+        check_choice("fault_tolerance", self.mode, FaultTolerance)
+        check_positive("min_replica_groups", self.min_replica_groups)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode == "torchft"
+
+    def check_layout(self, mesh: MeshConfig, pipeline_parallel_size: int) -> None:
+        """Refuse what torchft replica groups cannot run, naming the fix (called with the other knobs' rules)."""
+        if not self.enabled:
+            return
+        if mesh.dp_replicate < 2:
+            raise ValueError(f"fault_tolerance='torchft' runs each of the data_parallel_replicate_size replicas as a "
+                             f"replica group, and data_parallel_replicate_size={mesh.dp_replicate} leaves no other "
+                             "group to train on when one dies. Set data_parallel_replicate_size to the number of "
+                             "replica groups (>= 2), or fault_tolerance='none'.")
+        if pipeline_parallel_size > 1:
+            raise ValueError(f"fault_tolerance='torchft' with pipeline_parallel_size={pipeline_parallel_size} is not "
+                             "built: the pipeline schedule runs forward and backward inside training_step, and a "
+                             "step that does not commit would have to run through the schedule again, which is not "
+                             "done here. Use pipeline_parallel_size=1, or fault_tolerance='none'.")
+        if self.min_replica_groups > mesh.dp_replicate:
+            raise ValueError(f"min_replica_groups={self.min_replica_groups} exceeds data_parallel_replicate_size="
+                             f"{mesh.dp_replicate}: no step could ever commit. Use at most {mesh.dp_replicate}.")
+
+    def check_job(self, replicas: int) -> None:
+        """Refuse a job that does not say where the lighthouse is or which group it is (TitanStrategy's
+        constructor: ``titan plan`` reads configs without them)."""
+        if not self.enabled:
+            return
+        if importlib.util.find_spec("torchft") is None:
+            raise ImportError("fault_tolerance='torchft' needs torchft: pip install torchft (or the project's "
+                              "'ft' extra: pip install -e '.[ft]').")
+        self.lighthouse_address()
+        self.group_id(replicas)
+
+    def process_mesh(self, mesh: MeshConfig) -> MeshConfig:
+        """The degrees of this job's processes: under torchft the replicas are other jobs."""
+        return replace(mesh, dp_replicate=1) if self.enabled else mesh
+
+    def lighthouse_address(self) -> str:
+        address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not address:
+            raise ValueError("fault_tolerance='torchft' needs a lighthouse: pass torchft_lighthouse='http://HOST:PORT' "
+                             f"or set {LIGHTHOUSE_ENV}. Start one with `torchft_lighthouse --min_replicas 1 "
+                             "--join_timeout_ms 10000 --bind [::]:29510` (it comes with `pip install torchft`).")
+        return address
+
+    def group_id(self, replicas: int) -> int:
+        group = self.replica_group_id
+        if group is None:
+            text = os.environ.get(REPLICA_GROUP_ENV)
+            if text is None or not text.strip().isdigit():
+                raise ValueError(f"fault_tolerance='torchft' needs this job's replica group: pass replica_group_id "
+                                 f"or set {REPLICA_GROUP_ENV} (0 .. {replicas - 1}); got {text!r}.")
+            group = int(text)
+        if not 0 <= group < replicas:
+            raise ValueError(f"replica_group_id={group} is outside 0 .. {replicas - 1} "
+                             f"(data_parallel_replicate_size={replicas}).")
+        return group
+
+
+def check_lighthouse_answers(address: str) -> None:
+    """Fail fast, naming the fix, when nothing listens at the lighthouse's address (torchft would wait for it)."""
+    url = urlparse(address if "://" in address else f"http://{address}")
+    try:
+        with socket.create_connection((url.hostname, url.port or 80), timeout=_LIGHTHOUSE_PROBE_S):
+            pass
+    except OSError as error:
+        raise ConnectionError(f"No torchft lighthouse answers at {address} ({error}). Start one there with "
+                              f"`torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000 --bind [::]:{url.port}`, "
+                              f"or point torchft_lighthouse / {LIGHTHOUSE_ENV} at the one that runs.") from None
+
+
+class ReplicaGroups:
+    """This job's side of torchft: the quorum and commit of every step, the gradient all-reduce across groups, the
+    batch share, and the state a rejoining group receives.
+
+    Args:
+        config: the knobs (validated).
+        replicas: ``data_parallel_replicate_size``, the number of groups the run was planned with.
+        device: this rank's device (its torchft process group is NCCL on CUDA, gloo otherwise).
+        timeout: how long a collective, a quorum or a state transfer may take.
+    """
+
+    def __init__(self, config: FaultToleranceConfig, replicas: int, device: torch.device, timeout: timedelta) -> None:
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        self.group = config.group_id(replicas)
+        lighthouse = config.lighthouse_address()
+        check_lighthouse_answers(lighthouse)
+        process_group = (ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
+        self._replicas = replicas
+        self._trainer: pl.Trainer | None = None
+        self._step_start: dict[str, Any] | None = None  # the Lightning state as the current step began
+        self._received: dict[str, Any] | None = None
+        self._quorum_started = False
+        self.manager = Manager(
+            pg=process_group, load_state_dict=self._receive, state_dict=self._send,
+            min_replica_size=config.min_replica_groups,
+            use_async_quorum=False,  # the batch share depends on the quorum: it must be known before the forward
+            init_sync=False,  # initialization is a function of (seed, name): every group starts with equal weights
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, lighthouse_addr=lighthouse,
+            replica_id=f"titan_replica_group_{self.group}", max_retries=MAX_UNCOMMITTED_ATTEMPTS - 1,
+            rank=dist.get_rank(), world_size=dist.get_world_size())
+
+    # ---- set-up ---------------------------------------------------------------------------------
+
+    def attach(self, trainer: pl.Trainer, model: nn.Module, runtime: ParallelRuntime | None) -> None:
+        """Hook the parallelized model in (after ``parallelize``); refuse what cannot run."""
+        module = trainer.lightning_module
+        if runtime is None:
+            raise ValueError("fault_tolerance='torchft' needs a module that declares a parallel_plan(): the strategy "
+                             "adds the all-reduce across replica groups to the FSDP units it applies.")
+        if not module.automatic_optimization or trainer.accumulate_grad_batches != 1:
+            raise ValueError("fault_tolerance='torchft' commits each optimizer step as one quorum: it needs automatic "
+                             f"optimization and accumulate_grad_batches=1 (got {trainer.accumulate_grad_batches}); "
+                             "use a larger batch instead of accumulation.")
+        units = [unit for unit in model.modules() if isinstance(unit, FSDPModule)]
+        if not units:
+            raise ValueError("fault_tolerance='torchft' sums gradients across replica groups in FSDP2's all-reduce "
+                             "hook, and this model has no FSDP unit.")
+        weighting = runtime.token_weighting
+        weighting.across_replicas = self._sum_across_groups
+
+        def reduce_gradient(gradient: Tensor) -> None:
+            # A module that hands over its token sums (token_mean) gets gradients normalized by every group's token
+            # count: they add up. A plain mean's gradients are averaged over the step's groups instead.
+            operation = dist.ReduceOp.SUM if weighting.in_use else dist.ReduceOp.AVG
+            self.manager.allreduce(gradient, reduce_op=operation).wait()
+
+        for unit in units:
+            unit.set_all_reduce_hook(reduce_gradient)
+        self._trainer = trainer
+
+    def first_quorum(self) -> dict[str, Any] | None:
+        """Join the groups before Lightning's loop starts. Returns the Lightning checkpoint dict of a live peer when
+        this group was behind and took the peer's state (parameters and optimizer are already in place)."""
+        started = time.monotonic()
+        self.manager.start_quorum()
+        self._quorum_started = True  # the first step trains under this quorum
+        received, self._received = self._received, None
+        participants = self.manager.num_participants()
+        if received is not None:
+            rank_zero_info(f"torchft: replica group {self.group} rejoined {participants - 1} live group(s) at step "
+                           f"{received['global_step']} with a peer's state ({time.monotonic() - started:.1f} s).")
+        else:
+            rank_zero_info(f"torchft: replica group {self.group} of {self._replicas} joined a quorum of "
+                           f"{participants} group(s) at step {self.manager.current_step()}.")
+        return received
+
+    # ---- every step -----------------------------------------------------------------------------
+
+    def step_begins(self, lightning_state: dict[str, Any]) -> None:
+        """The Lightning state before this step, for a group that rejoins during it (taken in the loop's thread)."""
+        self._step_start = lightning_state
+
+    def share(self, batch: Any) -> Any:
+        """This group's rows of the batch every group loaded: participant ``p`` of ``n`` trains rows ``p::n``."""
+        rank, participants = self.manager.participating_rank(), self.manager.num_participants()
+        if rank is None:
+            raise RuntimeError("torchft: this replica group is not a participant of the step's quorum.")
+        rows = _rows(batch)
+        if rows is not None and rows < participants:
+            raise ValueError(f"torchft: the batch has {rows} rows for {participants} replica groups; give every "
+                             f"in-group data rank at least {self._replicas} rows (data_parallel_replicate_size).")
+        return tree_map(lambda value: value[rank::participants] if _is_batch_tensor(value, rows) else value, batch)
+
+    def committed(self, closure: Callable[[], Any], zero_grad: Callable[[], None]) -> Callable[[], Any]:
+        """``closure`` (forward and backward of the step's batch) under a quorum, retried until the groups commit."""
+
+        def run() -> Any:
+            while True:
+                if self._quorum_started:
+                    self._quorum_started = False
+                else:
+                    self.manager.start_quorum()
+                started = time.monotonic()
+                output = closure()
+                if self.manager.should_commit():  # raises after MAX_UNCOMMITTED_ATTEMPTS
+                    return output
+                rank_zero_warn(f"torchft: step {self.manager.current_step() + 1} did not commit in every replica "
+                               f"group ({self.manager.errored() or 'a group left'}); training it again under a new "
+                               f"quorum ({time.monotonic() - started:.1f} s lost).")
+                zero_grad()
+
+        return run
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # ---- across groups --------------------------------------------------------------------------
+
+    def _sum_across_groups(self, tensor: Tensor) -> None:
+        self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
+
+    def _send(self) -> dict[str, Any]:
+        # torchft's quorum thread, while the loop's thread waits for the quorum before this step's forward: the
+        # parameters and optimizer state are those after the previous step, and stay so until this step commits.
+        trainer = self._trainer
+        assert trainer is not None and self._step_start is not None
+        return {"model": {name: _local(value) for name, value in trainer.lightning_module.state_dict().items()},
+                "optimizers": [tree_map(_local, optimizer.state_dict()) for optimizer in trainer.strategy.optimizers],
+                "lightning": self._step_start}
+
+    def _receive(self, state: dict[str, Any]) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        module = trainer.lightning_module
+        with torch.no_grad():
+            for name, value in module.state_dict().items():
+                _local(value).copy_(state["model"][name])
+        for optimizer, optimizer_state in zip(trainer.strategy.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(_as_parameter_shards(optimizer, optimizer_state))
+        self._received = state["lightning"]
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _as_parameter_shards(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A peer's optimizer state (local tensors) with each parameter-shaped tensor a DTensor like its parameter."""
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+
+    def like(parameter: Tensor, value: Any) -> Any:
+        if isinstance(parameter, DTensor) and isinstance(value, Tensor) and value.shape == parameter.to_local().shape:
+            return DTensor.from_local(value, parameter.device_mesh, parameter.placements, run_check=False,
+                                      shape=parameter.shape, stride=parameter.stride())
+        return value
+
+    per_parameter = {index: {key: like(parameters[index], value) for key, value in entry.items()}
+                     for index, entry in state["state"].items()}
+    return {**state, "state": per_parameter}
+
+
+def _rows(batch: Any) -> int | None:
+    leaves = [value for value in _tensors(batch) if value.dim() > 0]
+    return leaves[0].shape[0] if leaves else None
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+    tree_map(lambda value: found.append(value) if isinstance(value, Tensor) else None, batch)
+    return found
+
+
+def _is_batch_tensor(value: Any, rows: int | None) -> bool:
+    return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == rows
