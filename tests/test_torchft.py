@@ -40,10 +40,10 @@ def lighthouse(min_replicas: int) -> Iterator[str]:
         server.shutdown()
 
 
-def _group_run(address: str, group: int, **changes: Any) -> RunSpec:
+def _group_run(address: str, group: int, run: RunSpec = BASE_RUN, **changes: Any) -> RunSpec:
     # Every in-group data rank loads the rows of all groups: GLOBAL_BATCH / RANKS_PER_GROUP.
     return dataclasses.replace(
-        BASE_RUN, batch_size=GLOBAL_BATCH // RANKS_PER_GROUP, timeout_seconds=20, record_parameter_digest=True,
+        run, batch_size=GLOBAL_BATCH // RANKS_PER_GROUP, timeout_seconds=20, record_parameter_digest=True,
         strategy={"fault_tolerance": "torchft", "data_parallel_replicate_size": GROUPS, "torchft_lighthouse": address,
                   "replica_group_id": group}, **changes)
 
@@ -83,10 +83,16 @@ def _assert_matches(records: list[dict[str, Any]], single_process: dict[str, Any
 def test_replica_groups_without_a_failure_train_as_one_process(reference_run: ReferenceRun, tmp_path: Path,
                                                                 test_env: dict[str, str]) -> None:
     single_process = reference_run(BASE_RUN)
+    # Each group saves its own checkpoints (DCP inside the group), here at steps 5 and 10.
+    folders = [tmp_path / f"checkpoints{g}" for g in range(GROUPS)]
     with lighthouse(min_replicas=GROUPS) as address:  # both groups in every quorum
-        waits = [_in_background(lambda g=g: launch(RANKS_PER_GROUP, _group_run(address, g), tmp_path / f"group{g}",
-                                                   test_env)) for g in range(GROUPS)]
+        waits = [_in_background(lambda g=g: launch(RANKS_PER_GROUP, _group_run(
+            address, g, model_checkpoint={"dirpath": str(folders[g]), "every_n_train_steps": 5, "save_top_k": -1}),
+            tmp_path / f"group{g}", test_env)) for g in range(GROUPS)]
         groups = [wait() for wait in waits]
+    for folder in folders:
+        assert sorted(path.name for path in folder.iterdir() if (path / "titan_checkpoint.json").is_file()) == [
+            "epoch=0-step=10.ckpt", "epoch=0-step=5.ckpt"]
     for group, records in enumerate(groups):
         assert [step["step"] for step in records[0]["steps"]] == list(range(1, BASE_RUN.steps + 1))
         _assert_matches(records, single_process, f"group {group}")
@@ -95,9 +101,11 @@ def test_replica_groups_without_a_failure_train_as_one_process(reference_run: Re
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("data", ["affine", "text"])  # a map-style DataLoader; TextDataModule's packed windows
 def test_a_dead_group_leaves_the_survivor_training_and_rejoins_with_its_state(
-        reference_run: ReferenceRun, tmp_path: Path, test_env: dict[str, str]) -> None:
-    single_process = reference_run(BASE_RUN)
+        data: str, reference_run: ReferenceRun, tmp_path: Path, test_env: dict[str, str]) -> None:
+    run = dataclasses.replace(BASE_RUN, data=data)
+    single_process = reference_run(run)
     killed_at, rejoin_by = 5, 8
     files = {name: str(tmp_path / name) for name in ("group0_started", "group1_started", "group1_relaunched")}
     # Each group's set-up waits until the other has started, so that both are in the first quorum; group 0 also
@@ -106,24 +114,24 @@ def test_a_dead_group_leaves_the_survivor_training_and_rejoins_with_its_state(
     gate = lambda step, name: {"step": step, "file": files[name], "grace_s": 5 if step else 0}  # noqa: E731
     with lighthouse(min_replicas=1) as address:
         survivor = _in_background(lambda: launch(RANKS_PER_GROUP, _group_run(
-            address, 0, announce_file=files["group0_started"],
+            address, 0, run, announce_file=files["group0_started"],
             wait_for_files=[gate(0, "group1_started"), gate(rejoin_by, "group1_relaunched")]),
             tmp_path / "group0", test_env))
         # Both ranks of group 1 die after step 5's forward, inside the step the survivor is training with them.
         with pytest.raises(AssertionError, match="SIGKILL|Signals.SIGKILL|-9"):
             launch(RANKS_PER_GROUP, _group_run(
-                address, 1, announce_file=files["group1_started"], wait_for_files=[gate(0, "group0_started")],
+                address, 1, run, announce_file=files["group1_started"], wait_for_files=[gate(0, "group0_started")],
                 interrupt={"ranks": [0, 1], "step": killed_at, "signal": "SIGKILL", "at": "backward"}),
                    tmp_path / "group1_killed", test_env)
-        rejoined = launch(RANKS_PER_GROUP, _group_run(address, 1, announce_file=files["group1_relaunched"]),
+        rejoined = launch(RANKS_PER_GROUP, _group_run(address, 1, run, announce_file=files["group1_relaunched"]),
                           tmp_path / "group1_rejoined", test_env)
         survived = survivor()
     steps = [step["step"] for step in survived[0]["steps"]]
-    assert steps == list(range(1, BASE_RUN.steps + 1)), "the survivor trains every step, without a restart"
+    assert steps == list(range(1, run.steps + 1)), "the survivor trains every step, without a restart"
     # The same global batch every step, whoever is alive: no sample skipped or trained twice.
     _assert_matches(survived, single_process, "surviving group 0")
     first = rejoined[0]["steps"][0]["step"]
-    assert killed_at < first <= rejoin_by + 1 and rejoined[0]["steps"][-1]["step"] == BASE_RUN.steps, rejoined[0]
+    assert killed_at < first <= rejoin_by + 1 and rejoined[0]["steps"][-1]["step"] == run.steps, rejoined[0]
     _assert_matches(rejoined, single_process, "rejoined group 1")
     # Recovered from the live peer, then stepped with it: bitwise the same shards at the end.
     assert [r["parameter_digest"] for r in rejoined] == [r["parameter_digest"] for r in survived]

@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
@@ -56,6 +57,7 @@ REPLICA_GROUP_ENV = "TITAN_REPLICA_GROUP_ID"
 # quorum that formed while a dead group's heartbeat had not yet timed out.
 MAX_UNCOMMITTED_ATTEMPTS = 3
 _LIGHTHOUSE_PROBE_S = 5.0
+_MANAGER_KEY = "titan_torchft_manager"
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,9 @@ class ReplicaGroups:
     """
 
     def __init__(self, config: FaultToleranceConfig, replicas: int, device: torch.device, timeout: timedelta) -> None:
+        # torchft's Rust side logs 9 INFO lines per step and group; warnings and errors still show (a user's own
+        # RUST_LOG wins). Read when torchft is first imported, which is here.
+        os.environ.setdefault("RUST_LOG", "warn")
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         self.group = config.group_id(replicas)
@@ -180,8 +185,10 @@ class ReplicaGroups:
 
     # ---- set-up ---------------------------------------------------------------------------------
 
-    def attach(self, trainer: pl.Trainer, model: nn.Module, runtime: ParallelRuntime | None) -> None:
-        """Hook the parallelized model in (after ``parallelize``); refuse what cannot run."""
+    def attach(self, trainer: pl.Trainer, model: nn.Module, runtime: ParallelRuntime | None,
+               lightning_state: Callable[[], dict[str, Any]]) -> None:
+        """Hook the parallelized model in (after ``parallelize``); refuse what cannot run. ``lightning_state`` gives
+        what a checkpoint holds beside the model and optimizers, as it stands."""
         module = trainer.lightning_module
         if runtime is None:
             raise ValueError("fault_tolerance='torchft' needs a module that declares a parallel_plan(): the strategy "
@@ -206,10 +213,15 @@ class ReplicaGroups:
         for unit in units:
             unit.set_all_reduce_hook(reduce_gradient)
         self._trainer = trainer
+        if not any(isinstance(callback, _StepBoundary) for callback in trainer.callbacks):
+            trainer.callbacks.append(_StepBoundary(self, lightning_state))
 
     def first_quorum(self) -> dict[str, Any] | None:
         """Join the groups before Lightning's loop starts. Returns the Lightning checkpoint dict of a live peer when
         this group was behind and took the peer's state (parameters and optimizer are already in place)."""
+        # What a group behind this one would take now: the checkpoint this group resumed from, if any (its
+        # parameters and optimizer state are loaded already; Lightning restores the rest after this set-up).
+        self._step_start = self._trainer._checkpoint_connector._loaded_checkpoint or None
         started = time.monotonic()
         self.manager.start_quorum()
         self._quorum_started = True  # the first step trains under this quorum
@@ -224,10 +236,6 @@ class ReplicaGroups:
         return received
 
     # ---- every step -----------------------------------------------------------------------------
-
-    def step_begins(self, lightning_state: dict[str, Any]) -> None:
-        """The Lightning state before this step, for a group that rejoins during it (taken in the loop's thread)."""
-        self._step_start = lightning_state
 
     def share(self, batch: Any) -> Any:
         """This group's rows of the batch every group loaded: participant ``p`` of ``n`` trains rows ``p::n``."""
@@ -260,6 +268,15 @@ class ReplicaGroups:
 
         return run
 
+    def save(self, checkpoint: dict[str, Any]) -> None:
+        """torchft's step count goes into every checkpoint: a group resumed from one is then behind or level with
+        the live groups by the steps it really lacks, and takes their state when behind."""
+        checkpoint[_MANAGER_KEY] = self.manager.state_dict()
+
+    def load(self, checkpoint: dict[str, Any]) -> None:
+        if _MANAGER_KEY in checkpoint:
+            self.manager.load_state_dict(checkpoint[_MANAGER_KEY])
+
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
 
@@ -271,8 +288,9 @@ class ReplicaGroups:
     def _send(self) -> dict[str, Any]:
         # torchft's quorum thread, while the loop's thread waits for the quorum before this step's forward: the
         # parameters and optimizer state are those after the previous step, and stay so until this step commits.
+        # A group level with this one takes nothing (torchft heals only one that is behind).
         trainer = self._trainer
-        assert trainer is not None and self._step_start is not None
+        assert trainer is not None and self._step_start is not None, "a group behind a fresh one cannot exist"
         return {"model": {name: _local(value) for name, value in trainer.lightning_module.state_dict().items()},
                 "optimizers": [tree_map(_local, optimizer.state_dict()) for optimizer in trainer.strategy.optimizers],
                 "lightning": self._step_start}
@@ -287,6 +305,21 @@ class ReplicaGroups:
         for optimizer, optimizer_state in zip(trainer.strategy.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(_as_parameter_shards(optimizer, optimizer_state))
         self._received = state["lightning"]
+
+
+class _StepBoundary(Callback):
+    """Keeps the Lightning state after each step, where ModelCheckpoint would save it, for a group that joins while
+    the next step's quorum forms."""
+
+    def __init__(self, replicas: ReplicaGroups, lightning_state: Callable[[], dict[str, Any]]) -> None:
+        self._replicas = replicas
+        self._lightning_state = lightning_state
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._replicas._step_start = self._lightning_state()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._replicas._step_start = self._lightning_state()
 
 
 def _local(value: Any) -> Any:

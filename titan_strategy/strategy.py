@@ -277,7 +277,7 @@ class TitanStrategy(ParallelStrategy):
         if self.config.checkpoint.auto_resume and fitting and trainer.ckpt_path is None:
             resume_from_newest(trainer)
         if self._replicas is not None and fitting:
-            self._replicas.attach(trainer, self.model, self.runtime)
+            self._replicas.attach(trainer, self.model, self.runtime, functools.partial(self._lightning_state, trainer))
             peer_state = self._replicas.first_quorum()
             if peer_state is not None:  # Lightning restores the loop, schedules and callbacks from it, as on resume
                 trainer._checkpoint_connector._loaded_checkpoint = peer_state
@@ -350,8 +350,6 @@ class TitanStrategy(ParallelStrategy):
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
         self._resumed_rng.before_batch(self.root_device)
-        if self._replicas is not None:
-            self._replicas.step_begins(self._lightning_state(module.trainer))
         self._training_position.batch_started()
 
     @override
@@ -458,12 +456,15 @@ class TitanStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path,
                         storage_options: Any | None = None) -> None:
         self._training_position.save(checkpoint)
+        if self._replicas is not None:
+            self._replicas.save(checkpoint)
         self.checkpoint_io.save_checkpoint(checkpoint, self.broadcast(str(filepath)), storage_options)
         if self.lightning_module.trainer.state.status != TrainerStatus.RUNNING:  # else nothing flushes it at the end
             self.checkpoint_io.flush()
 
     def _lightning_state(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """What a checkpoint holds beside the model and optimizers, as it stands now (a rejoining replica group's)."""
+        """What a checkpoint holds beside the model and optimizers, as it stands now: what a replica group that rejoins
+        takes from this one (taken where ModelCheckpoint saves, after a step)."""
         state = {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
                  "pytorch-lightning_version": pl.__version__,
                  "loops": trainer._checkpoint_connector._get_loops_state_dict(),
@@ -482,6 +483,8 @@ class TitanStrategy(ParallelStrategy):
             strict=self.lightning_module.strict_loading, weights_only=weights_only, group=self._groups.checkpoint)
         self._resumed_rng.loaded(loaded.rng_states, loaded.rng_before_next_epoch, self.root_device)
         self._training_position.load(loaded.lightning)
+        if self._replicas is not None:
+            self._replicas.load(loaded.lightning)
         return loaded.lightning
 
     @override
