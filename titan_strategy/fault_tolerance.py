@@ -36,6 +36,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
     from titan_strategy.mesh import MeshConfig
     from titan_strategy.runtime import ParallelRuntime
 
-__all__ = ["FaultTolerance", "FaultToleranceConfig", "LIGHTHOUSE_ENV", "REPLICA_GROUP_ENV", "ReplicaGroups"]
+__all__ = ["FaultTolerance", "FaultToleranceConfig", "LIGHTHOUSE_ENV", "REPLICA_GROUP_ENV", "ReplicaGroups",
+           "check_lighthouse_answers"]
 
 FaultTolerance = Literal["none", "torchft"]
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable
@@ -186,9 +188,9 @@ class ReplicaGroups:
     # ---- set-up ---------------------------------------------------------------------------------
 
     def attach(self, trainer: pl.Trainer, model: nn.Module, runtime: ParallelRuntime | None,
-               lightning_state: Callable[[], dict[str, Any]]) -> None:
-        """Hook the parallelized model in (after ``parallelize``); refuse what cannot run. ``lightning_state`` gives
-        what a checkpoint holds beside the model and optimizers, as it stands."""
+               add_strategy_state: Callable[[dict[str, Any]], None]) -> None:
+        """Hook the parallelized model in (after ``parallelize``); refuse what cannot run. ``add_strategy_state``
+        adds what the strategy keeps in a checkpoint dict (the data position)."""
         module = trainer.lightning_module
         if runtime is None:
             raise ValueError("fault_tolerance='torchft' needs a module that declares a parallel_plan(): the strategy "
@@ -214,7 +216,7 @@ class ReplicaGroups:
             unit.set_all_reduce_hook(reduce_gradient)
         self._trainer = trainer
         if not any(isinstance(callback, _StepBoundary) for callback in trainer.callbacks):
-            trainer.callbacks.append(_StepBoundary(self, lightning_state))
+            trainer.callbacks.append(_StepBoundary(self, add_strategy_state))
 
     def first_quorum(self) -> dict[str, Any] | None:
         """Join the groups before Lightning's loop starts. Returns the Lightning checkpoint dict of a live peer when
@@ -309,17 +311,29 @@ class ReplicaGroups:
 
 class _StepBoundary(Callback):
     """Keeps the Lightning state after each step, where ModelCheckpoint would save it, for a group that joins while
-    the next step's quorum forms."""
+    the next step's quorum forms: a checkpoint dict without the model and optimizers (this group sends its own
+    shards of those)."""
 
-    def __init__(self, replicas: ReplicaGroups, lightning_state: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, replicas: ReplicaGroups, add_strategy_state: Callable[[dict[str, Any]], None]) -> None:
         self._replicas = replicas
-        self._lightning_state = lightning_state
+        self._add_strategy_state = add_strategy_state
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._replicas._step_start = self._lightning_state()
+        self._replicas._step_start = self._lightning_state(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._replicas._step_start = self._lightning_state()
+        self._replicas._step_start = self._lightning_state(trainer)
+
+    def _lightning_state(self, trainer: pl.Trainer) -> dict[str, Any]:
+        state = {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
+                 "pytorch-lightning_version": pl.__version__,
+                 "loops": trainer._checkpoint_connector._get_loops_state_dict(),
+                 "callbacks": call._call_callbacks_state_dict(trainer),
+                 "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
+        if trainer.datamodule is not None:
+            state[type(trainer.datamodule).__qualname__] = trainer.datamodule.state_dict()
+        self._add_strategy_state(state)
+        return state
 
 
 def _local(value: Any) -> Any:

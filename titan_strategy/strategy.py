@@ -17,7 +17,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -219,7 +218,7 @@ class TitanStrategy(ParallelStrategy):
         if self._groups is None:  # a later trainer.validate/test/predict keeps the mesh the model is sharded on
             self._groups = build_process_groups(self.parallel_dims, self.root_device, self.config.distributed)
         self.checkpoint_io.setup(self._groups.checkpoint, self._rank_place(), self.root_device)
-        if self.config.fault_tolerance.enabled and self._replicas is None:
+        if self.config.fault_tolerance.enabled and self._replicas is None and trainer.state.fn == TrainerFn.FITTING:
             self._replicas = ReplicaGroups(self.config.fault_tolerance, self.config.mesh.dp_replicate,
                                            self.root_device, self.config.distributed.timeout)
         self.lightning_module._device_mesh = self._groups.mesh
@@ -277,7 +276,7 @@ class TitanStrategy(ParallelStrategy):
         if self.config.checkpoint.auto_resume and fitting and trainer.ckpt_path is None:
             resume_from_newest(trainer)
         if self._replicas is not None and fitting:
-            self._replicas.attach(trainer, self.model, self.runtime, functools.partial(self._lightning_state, trainer))
+            self._replicas.attach(trainer, self.model, self.runtime, add_strategy_state=self._training_position.save)
             peer_state = self._replicas.first_quorum()
             if peer_state is not None:  # Lightning restores the loop, schedules and callbacks from it, as on resume
                 trainer._checkpoint_connector._loaded_checkpoint = peer_state
@@ -461,19 +460,6 @@ class TitanStrategy(ParallelStrategy):
         self.checkpoint_io.save_checkpoint(checkpoint, self.broadcast(str(filepath)), storage_options)
         if self.lightning_module.trainer.state.status != TrainerStatus.RUNNING:  # else nothing flushes it at the end
             self.checkpoint_io.flush()
-
-    def _lightning_state(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """What a checkpoint holds beside the model and optimizers, as it stands now: what a replica group that rejoins
-        takes from this one (taken where ModelCheckpoint saves, after a step)."""
-        state = {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
-                 "pytorch-lightning_version": pl.__version__,
-                 "loops": trainer._checkpoint_connector._get_loops_state_dict(),
-                 "callbacks": call._call_callbacks_state_dict(trainer),
-                 "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
-        if trainer.datamodule is not None:
-            state[type(trainer.datamodule).__qualname__] = trainer.datamodule.state_dict()
-        self._training_position.save(state)
-        return state
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
