@@ -41,12 +41,14 @@ def lighthouse(min_replicas: int) -> Iterator[str]:
         server.shutdown()
 
 
-def _group_run(address: str, group: int, run: RunSpec = BASE_RUN, **changes: Any) -> RunSpec:
-    # Every in-group data rank loads the rows of all groups: GLOBAL_BATCH / RANKS_PER_GROUP.
+def _group_run(address: str, group: int, run: RunSpec = BASE_RUN, strategy_knobs: dict[str, int] | None = None,
+               **changes: Any) -> RunSpec:
+    # Every in-group data rank loads the rows of all groups: GLOBAL_BATCH / RANKS_PER_GROUP under FSDP.
+    changes.setdefault("batch_size", GLOBAL_BATCH // RANKS_PER_GROUP)
     return dataclasses.replace(
-        run, batch_size=GLOBAL_BATCH // RANKS_PER_GROUP, timeout_seconds=20, record_parameter_digest=True,
+        run, timeout_seconds=20, record_parameter_digest=True,
         strategy={"fault_tolerance": "torchft", "data_parallel_replicate_size": GROUPS, "torchft_lighthouse": address,
-                  "replica_group_id": group}, **changes)
+                  "replica_group_id": group, **(strategy_knobs or {})}, **changes)
 
 
 def _in_background(run: Callable[[], Any]) -> Callable[[], Any]:
@@ -80,15 +82,19 @@ def _assert_matches(records: list[dict[str, Any]], single_process: dict[str, Any
                 f"{expected[step['step']]}")
 
 
+# Inside each group: FSDP over its 2 ranks, or TP over them (one data rank loading all 8 rows of the step).
 @pytest.mark.multiprocess
-def test_replica_groups_without_a_failure_train_as_one_process(reference_run: ReferenceRun, tmp_path: Path,
-                                                                test_env: dict[str, str]) -> None:
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2}], ids=["fsdp2", "tp2"])
+def test_replica_groups_without_a_failure_train_as_one_process(layout: dict[str, int], reference_run: ReferenceRun,
+                                                                tmp_path: Path, test_env: dict[str, str]) -> None:
     single_process = reference_run(BASE_RUN)
     # Each group saves its own checkpoints (DCP inside the group), here at steps 5 and 10.
     folders = [tmp_path / f"checkpoints{g}" for g in range(GROUPS)]
     with lighthouse(min_replicas=GROUPS) as address:  # both groups in every quorum
+        data_ranks = RANKS_PER_GROUP // layout.get("tensor_parallel_size", 1)
         waits = [_in_background(lambda g=g: launch(RANKS_PER_GROUP, _group_run(
-            address, g, model_checkpoint={"dirpath": str(folders[g]), "every_n_train_steps": 5, "save_top_k": -1}),
+            address, g, strategy_knobs=layout, batch_size=GLOBAL_BATCH // data_ranks,
+            model_checkpoint={"dirpath": str(folders[g]), "every_n_train_steps": 5, "save_top_k": -1}),
             tmp_path / f"group{g}", test_env)) for g in range(GROUPS)]
         groups = [wait() for wait in waits]
     for folder in folders:
