@@ -41,7 +41,7 @@ def lighthouse(min_replicas: int) -> Iterator[str]:
         server.shutdown()
 
 
-def _group_run(address: str, group: int, run: RunSpec = BASE_RUN, strategy_knobs: dict[str, int] | None = None,
+def _group_run(address: str, group: int, run: RunSpec = BASE_RUN, strategy_knobs: dict[str, Any] | None = None,
                **changes: Any) -> RunSpec:
     # Every in-group data rank loads the rows of all groups: GLOBAL_BATCH / RANKS_PER_GROUP under FSDP.
     changes.setdefault("batch_size", GLOBAL_BATCH // RANKS_PER_GROUP)
@@ -119,6 +119,11 @@ def test_a_dead_group_leaves_the_survivor_training_and_rejoins_with_its_state(
     # waits at step 8 for group 1's relaunch, so that it rejoins before the run ends (the grace lets the relaunched
     # group's set-up reach its quorum request).
     gate = lambda step, name: {"step": step, "file": files[name], "grace_s": 5 if step else 0}  # noqa: E731
+    # Group 1 checkpoints every 3 steps and auto-resumes: its relaunch loads step 3 from disk, then takes the live
+    # group's newer state as it joins.
+    folder = tmp_path / "group1_checkpoints"
+    group1 = {"strategy_knobs": {"auto_resume": True},
+              "model_checkpoint": {"dirpath": str(folder), "every_n_train_steps": 3, "save_top_k": -1}}
     with lighthouse(min_replicas=1) as address:
         survivor = _in_background(lambda: launch(RANKS_PER_GROUP, _group_run(
             address, 0, run, announce_file=files["group0_started"],
@@ -128,10 +133,11 @@ def test_a_dead_group_leaves_the_survivor_training_and_rejoins_with_its_state(
         with pytest.raises(AssertionError, match="SIGKILL|Signals.SIGKILL|-9"):
             launch(RANKS_PER_GROUP, _group_run(
                 address, 1, run, announce_file=files["group1_started"], wait_for_files=[gate(0, "group0_started")],
-                interrupt={"ranks": [0, 1], "step": killed_at, "signal": "SIGKILL", "at": "backward"}),
+                interrupt={"ranks": [0, 1], "step": killed_at, "signal": "SIGKILL", "at": "backward"}, **group1),
                    tmp_path / "group1_killed", test_env)
-        rejoined = launch(RANKS_PER_GROUP, _group_run(address, 1, run, announce_file=files["group1_relaunched"]),
-                          tmp_path / "group1_rejoined", test_env)
+        assert [path.name for path in folder.glob("*.ckpt")] == ["epoch=0-step=3.ckpt"]
+        rejoined = launch(RANKS_PER_GROUP, _group_run(address, 1, run, announce_file=files["group1_relaunched"],
+                                                      **group1), tmp_path / "group1_rejoined", test_env)
         survived = survivor()
     steps = [step["step"] for step in survived[0]["steps"]]
     assert steps == list(range(1, run.steps + 1)), "the survivor trains every step, without a restart"

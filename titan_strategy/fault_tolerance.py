@@ -173,7 +173,7 @@ class ReplicaGroups:
         process_group = (ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
         self._replicas = replicas
         self._trainer: pl.Trainer | None = None
-        self._step_start: dict[str, Any] | None = None  # the Lightning state as the current step began
+        self._step_start: dict[str, Any] | None = None  # the Lightning state after the last step (``_StepBoundary``)
         self._received: dict[str, Any] | None = None
         self._quorum_started = False
         self.manager = Manager(
@@ -199,6 +199,11 @@ class ReplicaGroups:
             raise ValueError("fault_tolerance='torchft' commits each optimizer step as one quorum: it needs automatic "
                              f"optimization and accumulate_grad_batches=1 (got {trainer.accumulate_grad_batches}); "
                              "use a larger batch instead of accumulation.")
+        if trainer.ckpt_path is not None:
+            raise ValueError(f"fault_tolerance='torchft' with fit(ckpt_path={trainer.ckpt_path!r}): Lightning loads it "
+                             "after the group has joined the live ones and taken their state, and would undo that. "
+                             "Use TitanStrategy(auto_resume=True), which loads the newest checkpoint of the "
+                             "ModelCheckpoint folder before the group joins.")
         units = [unit for unit in model.modules() if isinstance(unit, FSDPModule)]
         if not units:
             raise ValueError("fault_tolerance='torchft' sums gradients across replica groups in FSDP2's all-reduce "

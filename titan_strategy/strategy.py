@@ -273,11 +273,13 @@ class TitanStrategy(ParallelStrategy):
                                      track_progress=self.config.checkpoint.auto_resume)
         self._master_weights = configure_precision(precision, module, self.runtime, self.optimizers)
         self.setup_precision_plugin()
+        replicas = self._replicas if fitting else None
+        if replicas is not None:  # before auto-resume, which sets ckpt_path: attach refuses a path of the user's
+            replicas.attach(trainer, self.model, self.runtime, add_strategy_state=self._training_position.save)
         if self.config.checkpoint.auto_resume and fitting and trainer.ckpt_path is None:
             resume_from_newest(trainer)
-        if self._replicas is not None and fitting:
-            self._replicas.attach(trainer, self.model, self.runtime, add_strategy_state=self._training_position.save)
-            peer_state = self._replicas.first_quorum()
+        if replicas is not None:
+            peer_state = replicas.first_quorum()
             if peer_state is not None:  # Lightning restores the loop, schedules and callbacks from it, as on resume
                 trainer._checkpoint_connector._loaded_checkpoint = peer_state
                 self._training_position.load(peer_state)
