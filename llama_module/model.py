@@ -21,12 +21,16 @@ from titan_strategy.kernels import flash_attention4
 
 __all__ = ["Llama", "ParamFiller", "check_attention_kernel", "fill_in_place", "rope_table"]
 
-ATTENTION_KERNELS = ("sdpa", "fa4", "flex")
+ATTENTION_KERNELS = ("auto", "sdpa", "fa4", "flex")
 
 
-def check_attention_kernel(kernel: str, attention_mask: str = "causal") -> None:
+def check_attention_kernel(kernel: str, attention_mask: str = "causal", resolved: bool = False) -> None:
+    """``resolved``: the model's layers take a kernel that runs, not ``auto`` (``LlamaModule`` resolves it)."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention_kernel={kernel!r} must be one of {list(ATTENTION_KERNELS)}.")
+    if resolved and kernel == "auto":
+        raise ValueError("attention_kernel='auto' is resolved by LlamaModule on its device; the model takes one of "
+                         f"{list(ATTENTION_KERNELS[1:])}.")
     if kernel == "flex" and attention_mask != "block_causal":
         raise ValueError("attention_kernel='flex' runs the block-causal mask; plain causal attention is faster on "
                          "attention_kernel='sdpa' or 'fa4'. Use attention_mask='block_causal' or another kernel.")
@@ -129,7 +133,7 @@ class AttentionCore(nn.Module):
 
     def __init__(self, kernel: str = "sdpa") -> None:
         super().__init__()
-        check_attention_kernel(kernel, "block_causal" if kernel == "flex" else "causal")
+        check_attention_kernel(kernel, "block_causal" if kernel == "flex" else "causal", resolved=True)
         self.kernel = kernel
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: AttentionMask | None = None) -> Tensor:
@@ -208,7 +212,7 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig, attention_kernel: str = "sdpa", attention_mask: str = "causal",
                  rope_positions: RopePositions = "document") -> None:
         super().__init__()
-        check_attention_kernel(attention_kernel, attention_mask)
+        check_attention_kernel(attention_kernel, attention_mask, resolved=True)
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, attention_kernel)

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from llama_module.args import LlamaConfig, get_flavor
@@ -15,7 +16,9 @@ from llama_module.documents import check_document_ids, check_masking
 from llama_module.model import Llama, check_attention_kernel
 from llama_module.plan import llama_plan
 from titan_strategy import ParallelPlan, log_step_metric
+from titan_strategy.distributed import simulating_ranks
 from titan_strategy.kernels import ADAMW_KERNELS, build_adamw, check_flash_attention4
+from titan_strategy.kernels.flash_attention4 import FA4_MIN_CAPABILITY, flash_attention4_installed
 from titan_strategy.token_loss import TokenLoss, is_token_weighted, token_cross_entropy, token_mean
 
 __all__ = ["LlamaModule"]
@@ -41,7 +44,10 @@ class LlamaModule(L.LightningModule):
             ``titan_strategy.kernels.adamw``: 1.4x faster than torch's fused kernel on an H200), ``fused``
             (torch's fused kernel), ``foreach`` (torch's multi-tensor ops), or ``auto``: triton on CUDA,
             foreach elsewhere. All run the same AdamW and checkpoint the same state.
-        attention_kernel: ``sdpa`` (torch's, any device, context parallel; under the block-causal mask it takes a
+        attention_kernel: ``auto`` (the fastest that runs here, printed once: ``fa4`` for the causal mask where
+            FlashAttention-4 is installed and the GPU is a Hopper or Blackwell and there is no context parallelism,
+            ``flex`` for the block-causal mask on CUDA, otherwise ``sdpa``),
+            ``sdpa`` (torch's, any device, context parallel; under the block-causal mask it takes a
             dense mask, meant for CPU and tests), ``fa4`` (FlashAttention-4 on Hopper/Blackwell, causal only, about
             6% faster steps at the 1B shape on an H200; needs the ``flash-attn-4`` package, and no context
             parallelism) or ``flex`` (FlexAttention with a block-sparse mask, block-causal only; CUDA, since
@@ -55,7 +61,7 @@ class LlamaModule(L.LightningModule):
     def __init__(self, model: str | LlamaConfig | dict[str, Any] = "debug", vocab_size: int | None = None,
                  max_seq_len: int | None = None, lr: float = 8e-4, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.1, warmup_steps: int = 200, decay_steps: int | None = None,
-                 min_lr_ratio: float = 0.1, adamw: str = "auto", attention_kernel: str = "sdpa",
+                 min_lr_ratio: float = 0.1, adamw: str = "auto", attention_kernel: str = "auto",
                  attention_mask: str = "causal", rope_positions: str = "document") -> None:
         super().__init__()
         config = get_flavor(model) if isinstance(model, str) else LlamaConfig.from_dict(model) \
@@ -84,6 +90,9 @@ class LlamaModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        if self.attention_kernel == "auto":
+            self.attention_kernel, reason = self._fastest_attention_kernel()
+            rank_zero_info(f"attention_kernel='auto' chose {self.attention_kernel!r}: {reason}.")
         if self.attention_kernel == "fa4":
             self._check_fa4()
         if self.attention_kernel == "flex" and self._root_device().type == "cpu":
@@ -93,12 +102,35 @@ class LlamaModule(L.LightningModule):
         if not any(p.is_meta for p in self.model.parameters()):
             self.model.init_weights()  # a strategy that builds on the meta device initializes later
 
+    def _fastest_attention_kernel(self) -> tuple[str, str]:
+        """``attention_kernel='auto'``: the kernel, and why."""
+        device = self._root_device()
+        if self.attention_mask == "block_causal":
+            if device.type != "cuda" or simulating_ranks():
+                where = "simulated ranks" if device.type == "cuda" else device.type
+                return "sdpa", f"a dense document mask, since FlexAttention does not train on {where}"
+            return "flex", "FlexAttention's block-sparse document mask"
+        if device.type != "cuda":
+            return "sdpa", f"the run is on {device.type}"
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FA4_MIN_CAPABILITY:
+            return "sdpa", (f"{torch.cuda.get_device_name(device)} has compute capability {capability[0]}."
+                            f"{capability[1]}, FlashAttention-4 needs {FA4_MIN_CAPABILITY[0]}.{FA4_MIN_CAPABILITY[1]}")
+        if not flash_attention4_installed():
+            return "sdpa", "FlashAttention-4 is not installed (pip install -e \".[fa4]\" adds it)"
+        if (cp := self._context_parallel_size()) > 1:
+            return "sdpa", f"context_parallel_size={cp}: ring attention runs through torch's SDPA"
+        return "fa4", "FlashAttention-4 is installed and runs on this GPU"
+
+    def _context_parallel_size(self) -> int:
+        mesh = self.device_mesh
+        return mesh["cp"].size() if mesh is not None and "cp" in (mesh.mesh_dim_names or ()) else 1
+
     def _check_fa4(self) -> None:
         """Before the model exists: FA4 needs its GPU and package, and context parallelism's ring attention
         can only take over torch's SDPA."""
-        mesh = self.device_mesh
-        if mesh is not None and "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:
-            raise ValueError(f"attention_kernel='fa4' with context_parallel_size={mesh['cp'].size()}: ring attention "
+        if (cp := self._context_parallel_size()) > 1:
+            raise ValueError(f"attention_kernel='fa4' with context_parallel_size={cp}: ring attention "
                              "runs through torch's SDPA. Use attention_kernel='sdpa', or context_parallel_size=1.")
         check_flash_attention4(self._root_device())
 

@@ -3,13 +3,17 @@ where it cannot run."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+import llama_module.module
 from llama_module import LlamaModule
+from llama_module.args import get_flavor
+from llama_module.model import Llama
 from tests.conftest import launch
 from tests.parity import ReferenceRun, series
 from tests.run_spec import RunSpec
@@ -21,7 +25,7 @@ from titan_strategy.kernels.flash_attention4 import (
 
 @pytest.mark.unit
 def test_an_unknown_kernel_is_refused_with_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"attention_kernel='fa3' must be one of \['sdpa', 'fa4', 'flex'\]"):
+    with pytest.raises(ValueError, match=r"attention_kernel='fa3' must be one of \['auto', 'sdpa', 'fa4', 'flex'\]"):
         LlamaModule(attention_kernel="fa3")
     with pytest.raises(ValueError, match=r"attention_kernel='fa4' takes attention_mask='causal' only .* Use "
                                          r"attention_kernel='flex' for block-causal attention"):
@@ -33,6 +37,49 @@ def test_an_unknown_kernel_is_refused_with_the_choices() -> None:
         LlamaModule(attention_mask="sliding")
     with pytest.raises(ValueError, match=r"rope_positions='global' must be one of \['document', 'window'\]"):
         LlamaModule(rope_positions="global")
+
+
+@pytest.mark.unit
+def test_auto_builds_sdpa_on_cpu_and_says_why_once(caplog: pytest.LogCaptureFixture) -> None:
+    for mask, why in (("causal", "the run is on cpu"),
+                      ("block_causal", "a dense document mask, since FlexAttention does not train on cpu")):
+        module = LlamaModule(attention_mask=mask)
+        with caplog.at_level(logging.INFO):
+            module.configure_model()
+            module.configure_model()  # a second fit on the same module: the model exists, nothing is printed
+        chosen = [record.getMessage() for record in caplog.records if "attention_kernel='auto'" in record.getMessage()]
+        assert chosen == [f"attention_kernel='auto' chose 'sdpa': {why}."]
+        assert {layer.attention.sdpa.kernel for layer in module.model.layers.values()} == {"sdpa"}
+        assert module.hparams.attention_kernel == "auto"  # a checkpoint loaded elsewhere chooses again there
+        caplog.clear()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("mask", "capability", "installed", "cp", "chosen", "why"), [
+    ("causal", (9, 0), True, 1, "fa4", "FlashAttention-4 is installed and runs on this GPU"),
+    ("causal", (10, 0), True, 1, "fa4", "FlashAttention-4 is installed and runs on this GPU"),
+    ("causal", (8, 0), True, 1, "sdpa", "FAKE GPU has compute capability 8.0, FlashAttention-4 needs 9.0"),
+    ("causal", (9, 0), False, 1, "sdpa", 'FlashAttention-4 is not installed (pip install -e ".[fa4]" adds it)'),
+    ("causal", (9, 0), True, 2, "sdpa", "context_parallel_size=2: ring attention runs through torch's SDPA"),
+    ("block_causal", (9, 0), True, 2, "flex", "FlexAttention's block-sparse document mask"),
+])
+def test_auto_on_a_gpu_takes_the_fastest_kernel_that_runs(monkeypatch: pytest.MonkeyPatch, mask: str,
+                                                          capability: tuple[int, int], installed: bool, cp: int,
+                                                          chosen: str, why: str) -> None:
+    module = LlamaModule(attention_mask=mask)
+    monkeypatch.setattr(LlamaModule, "_root_device", lambda self: torch.device("cuda", 0))
+    monkeypatch.setattr(LlamaModule, "_context_parallel_size", lambda self: cp)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FAKE GPU")
+    monkeypatch.setattr(llama_module.module, "flash_attention4_installed", lambda: installed)
+    assert module._fastest_attention_kernel() == (chosen, why)
+
+
+@pytest.mark.unit
+def test_the_model_itself_takes_a_resolved_kernel() -> None:
+    with pytest.raises(ValueError, match=r"attention_kernel='auto' is resolved by LlamaModule on its device; the "
+                                         r"model takes one of \['sdpa', 'fa4', 'flex'\]"):
+        Llama(get_flavor("debug"), "auto")
 
 
 @pytest.mark.multiprocess

@@ -21,10 +21,10 @@ from torch import Tensor
 
 from titan_strategy.gpu import check_gpu_capability
 
-__all__ = ["check_flash_attention4", "flash_attention4", "flash_attention4_installed"]
+__all__ = ["FA4_MIN_CAPABILITY", "check_flash_attention4", "flash_attention4", "flash_attention4_installed"]
 
 _FA4_PACKAGE = "flash-attn-4==4.0.0b36"
-_MIN_CAPABILITY = (9, 0)  # FA4 has kernels for SM 9.0 (Hopper) and SM 10.x (Blackwell)
+FA4_MIN_CAPABILITY = (9, 0)  # FA4 has kernels for SM 9.0 (Hopper) and SM 10.x (Blackwell)
 
 
 def flash_attention4_installed() -> bool:
@@ -35,7 +35,7 @@ def flash_attention4_installed() -> bool:
 
 def check_flash_attention4(device: torch.device) -> None:
     """Raise ``ValueError`` naming the fix if FA4 cannot run on ``device``; before any model work."""
-    check_gpu_capability(device, _MIN_CAPABILITY, "attention_kernel='fa4'", "Hopper or Blackwell: H100, H200, B200",
+    check_gpu_capability(device, FA4_MIN_CAPABILITY, "attention_kernel='fa4'", "Hopper or Blackwell: H100, H200, B200",
                          "use attention_kernel='sdpa'")
     if not flash_attention4_installed():
         raise ValueError(f"attention_kernel='fa4' needs the flash-attn-4 package: pip install '{_FA4_PACKAGE}' "
