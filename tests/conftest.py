@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ pytest.register_assert_rewrite("tests.parity")  # its asserts explain their fail
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
 FORK_LAUNCH = Path(__file__).with_name("fork_launch.py")
+LAUNCH_SERVER = Path(__file__).with_name("launch_server.py")
 LAUNCH_TIMEOUT_S = 360  # a hung collective fails the test instead of stalling CI (2 loaded cores are slow)
 
 # Every test has exactly one (pyproject.toml registers them): `pytest -m unit` is the quick tier.
@@ -74,7 +76,13 @@ def free_port() -> int:
 
 def run_command(command: list[str], env: dict[str, str], cwd: Path,
                 timeout_s: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+    return _succeeded(subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s),
+                      cwd)
+
+
+def _succeeded(result: subprocess.CompletedProcess, cwd: Path) -> subprocess.CompletedProcess:
+    """``result``, if its command succeeded; else an AssertionError that starts with the lines that tell why."""
+    command = result.args
     if result.returncode != 0:
         # The whole output goes to a file; the message starts with the lines that usually say what went
         # wrong (a C++ abort's "what():" sits among thousands of warning lines), then the tails.
@@ -94,14 +102,68 @@ def launch(nproc: int, spec: RunSpec, out_dir: Path, env: dict[str, str],
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_file = out_dir / "spec.json"
     spec_file.write_text(dataclasses.replace(spec, devices=nproc).to_json())
+    command = [sys.executable, str(FORK_LAUNCH), str(nproc), str(spec_file), str(out_dir)]
     try:
-        run_command([sys.executable, str(FORK_LAUNCH), str(nproc), str(spec_file), str(out_dir)], env, out_dir,
-                    timeout_s)
+        if _launch_server is not None and env == _launch_server.env:
+            _succeeded(_launch_server.run(command, nproc, spec_file, out_dir, timeout_s), out_dir)
+        else:
+            run_command(command, env, out_dir, timeout_s)
     except AssertionError as failure:
         # Each failed rank's error (the worker writes them), one line each: "rank1: ValueError: ...".
         errors = "".join(f"\n{path.stem}: {path.read_text()}" for path in sorted(out_dir.glob("rank*.error")))
         raise AssertionError(f"{failure}\nRank errors:{errors}") from None
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(nproc)]
+
+
+class _LaunchServer:
+    """tests/launch_server.py: the session's launches forked from one process that imported the worker once
+    (a fresh interpreter per launch spent about 6 s importing). Started under ``env``, it takes only launches
+    with that environment (variables read at import time are its own)."""
+
+    def __init__(self, env: dict[str, str], folder: Path) -> None:
+        self.env = env
+        self.socket_path = str(folder / "launch.sock")
+        with (folder / "launch_server.log").open("w") as log:
+            self.process = subprocess.Popen([sys.executable, str(LAUNCH_SERVER), self.socket_path], env=env,
+                                            cwd=folder, stdout=subprocess.PIPE, stderr=log, text=True)
+        assert self.process.stdout is not None
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"tests/launch_server.py did not start; see {folder / 'launch_server.log'}")
+
+    def run(self, command: list[str], nproc: int, spec_file: Path, out_dir: Path,
+            timeout_s: float) -> subprocess.CompletedProcess:
+        """What ``subprocess.run(command, ...)`` of tests/fork_launch.py would give, without its imports."""
+        stdout, stderr = out_dir / "launch.stdout", out_dir / "launch.stderr"
+        request = {"nproc": nproc, "spec_file": str(spec_file), "out_dir": str(out_dir), "cwd": str(out_dir),
+                   "env": self.env, "stdout": str(stdout), "stderr": str(stderr)}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(self.socket_path)
+            client.sendall((json.dumps(request) + "\n").encode())
+            client.settimeout(timeout_s)
+            replies = client.makefile()
+            launcher = int(replies.readline())
+            try:
+                code = int(replies.readline())
+            except TimeoutError:
+                os.kill(launcher, signal.SIGKILL)  # its ranks die with it
+                raise subprocess.TimeoutExpired(command, timeout_s) from None
+        return subprocess.CompletedProcess(command, code, stdout.read_text(), stderr.read_text())
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+_launch_server: _LaunchServer | None = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _launches_share_one_import(test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    global _launch_server
+    _launch_server = _LaunchServer(test_env, tmp_path_factory.mktemp("launch_server"))
+    yield
+    _launch_server.stop()
+    _launch_server = None
 
 
 @pytest.fixture(scope="session")

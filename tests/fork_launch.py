@@ -34,12 +34,16 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run_rank(rank: int, world_size: int, port: int, spec_file: Path, out_dir: Path) -> NoReturn:
-    # Killed with the launcher: a test's timeout kills only the launcher, which must not leave ranks behind
-    # (Linux; elsewhere a timed-out test's ranks end at their process-group timeout).
+def die_with_parent() -> None:
+    """This process is killed when its parent dies (Linux; elsewhere a timed-out test's ranks end at their
+    process-group timeout)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if hasattr(libc, "prctl"):
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _run_rank(rank: int, world_size: int, port: int, spec_file: Path, out_dir: Path) -> NoReturn:
+    die_with_parent()  # a test's timeout kills only the launcher, which must not leave ranks behind
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"fork-launch-{os.getppid()}")  # one id per job
@@ -72,8 +76,8 @@ def _stop(pids: dict[int, int]) -> None:
     pids.clear()
 
 
-def main() -> None:
-    world_size, spec_file, out_dir = int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+def launch_ranks(world_size: int, spec_file: Path, out_dir: Path) -> int:
+    """Fork the ranks, wait for them, and return the job's exit code (1 if a rank failed)."""
     port = _free_port()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -92,8 +96,9 @@ def main() -> None:
             _stop(pids)
     if failed:
         print(f"fork_launch: {', '.join(failed)} failed; the other ranks were stopped", file=sys.stderr)
-        sys.exit(1)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(launch_ranks(int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])))

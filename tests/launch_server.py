@@ -1,0 +1,75 @@
+"""One process per test session that imports the training worker once and starts every launch from a fork.
+
+    python tests/launch_server.py SOCKET_PATH
+
+tests/fork_launch.py shares one import among a launch's ranks, but each launch still starts a fresh
+interpreter, and importing torch and Lightning takes about 6 s of one core on CI's 2 cores: over a hundred
+launches made that a third of the suite. Here the import happens once: for each request (one JSON line on
+the Unix socket: nproc, spec file, output folder, working folder, the files for stdout and stderr), the
+server forks a launcher that takes the request's environment, runs ``fork_launch.launch_ranks`` and exits
+with its code. The server answers with the launcher's pid (a caller that times out kills it, and its ranks
+die with it), then with its exit code. The server dies with the process that started it.
+
+Environment variables read at import time are the server's own, so tests/conftest.py sends only launches
+whose environment is the one the server started with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+from fork_launch import die_with_parent, launch_ranks  # imports the training worker, once
+
+
+def _launcher(request: dict) -> int:
+    """In the forked launcher: become the process the request describes, then launch."""
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        target = os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    return launch_ranks(request["nproc"], Path(request["spec_file"]), Path(request["out_dir"]))
+
+
+def serve(socket_path: str) -> None:
+    die_with_parent()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(socket_path)
+    server.listen(1)
+    print("ready", flush=True)
+    while True:
+        connection, _ = server.accept()
+        with connection:
+            request = json.loads(connection.makefile().readline())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                connection.close()
+                die_with_parent()
+                code = 1
+                try:
+                    code = _launcher(request)
+                except BaseException:  # noqa: BLE001 - reported as a fresh process would, on its stderr
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            connection.sendall(f"{pid}\n".encode())
+            _, status = os.waitpid(pid, 0)
+            with contextlib.suppress(OSError):  # the caller gave up waiting (a timeout) and killed the launcher
+                connection.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
