@@ -112,7 +112,7 @@ def paper(steps: int, only: list[str]) -> None:
             print(done.stderr[-3000:], file=sys.stderr)
 
 
-def peak_breakdown(arguments: list[str], top: int) -> None:
+def peak_breakdown(arguments: list[str], top: int, history: int) -> None:
     """Rehearse one rank with the CUDA allocator's history on, and print what was live at its peak, grouped by
     the innermost frame of our code or torch's distributed code that allocated it."""
     import collections
@@ -121,11 +121,15 @@ def peak_breakdown(arguments: list[str], top: int) -> None:
 
     from llama_module.rehearse_cli import RehearsalCLI, _train
 
-    torch.cuda.memory._record_memory_history(max_entries=3_000_000)
+    # Python frames only: C++ frames make each event slow and large, and a 64-microbatch pipeline step makes millions.
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=history)
     cli = RehearsalCLI(arguments)
     print(json.dumps(_train(cli).as_dict()))
     events = torch.cuda.memory._snapshot()["device_traces"][0]
     torch.cuda.memory._record_memory_history(enabled=None)
+    if len(events) >= history:  # the ring overflowed: what the lost events left live is not attributed below
+        print(f"the history's {history:,} entries overflowed: allocations older than the oldest kept event are "
+              "counted only in the allocator's peak below")
     live, current, peak, peak_at = {}, 0, 0, 0
     for index, event in enumerate(events):
         if event["action"] == "alloc":
@@ -151,7 +155,8 @@ def peak_breakdown(arguments: list[str], top: int) -> None:
     by_origin = collections.Counter()
     for event in live.values():
         by_origin[origin(event)] += event["size"]
-    print(f"peak of the recorded allocations: {peak / 2**30:.2f} GiB")
+    print(f"peak of the recorded allocations: {peak / 2**30:.2f} GiB; the allocator's: "
+          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     for where, size in by_origin.most_common(top):
         print(f"{size / 2**30:8.2f} GiB  {where}")
 
@@ -162,13 +167,14 @@ def main() -> None:
     parser.add_argument("spec", nargs="?", help="(one) [model, batch size, real|rehearsal, steps] as JSON; (peak) "
                         "titan rehearse arguments as a JSON list")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--history", type=int, default=12_000_000, help="(peak) allocator events kept")
     parser.add_argument("--only", nargs="*", default=[], help="(paper) layouts whose name contains one of these")
     args = parser.parse_args()
     if args.what == "one":
         model, batch_size, kind, steps = json.loads(args.spec)
         print("ONE " + json.dumps(one_device_run(model, batch_size, kind == "rehearsal", steps)), flush=True)
     elif args.what == "peak":
-        peak_breakdown(json.loads(args.spec), top=30)
+        peak_breakdown(json.loads(args.spec), top=40, history=args.history)
     elif args.what == "accuracy":
         accuracy(args.steps)
     else:
