@@ -7,8 +7,8 @@ interpreter, and importing torch and Lightning takes about 6 s of one core on CI
 launches made that a third of the suite. Here the import happens once: for each request (one JSON line on
 the Unix socket: nproc, spec file, output folder, working folder, the files for stdout and stderr), the
 server forks a launcher that takes the request's environment, runs ``fork_launch.launch_ranks`` and exits
-with its code. The server answers with the launcher's pid (a caller that times out kills it, and its ranks
-die with it), then with its exit code. The server dies with the process that started it.
+with its code. The server answers with the launcher's pid at once (a caller that times out kills it, and its
+ranks die with it), then with its exit code when it ends. The server dies with the process that started it.
 
 Environment variables read at import time are the server's own, so tests/conftest.py sends only launches
 whose environment is the one the server started with.
@@ -26,6 +26,8 @@ from pathlib import Path
 
 from fork_launch import die_with_parent, launch_ranks  # imports the training worker, once
 
+_POLL_S = 0.05  # how often finished launchers are reaped
+
 
 def _launcher(request: dict) -> int:
     """In the forked launcher: become the process the request describes, then launch."""
@@ -39,35 +41,50 @@ def _launcher(request: dict) -> int:
     return launch_ranks(request["nproc"], Path(request["spec_file"]), Path(request["out_dir"]))
 
 
-def serve(socket_path: str) -> None:
+def _start(request: dict, listening: socket.socket, connection: socket.socket) -> int:
+    """Fork the launcher of ``request``; return its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    listening.close()
+    connection.close()
     die_with_parent()
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(socket_path)
-    server.listen(1)
+    code = 1
+    try:
+        code = _launcher(request)
+    except BaseException:  # noqa: BLE001 - reported as a fresh process would, on its stderr
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(socket_path: str) -> None:
+    """Launches may overlap (a test runs two replica groups at once): one thread accepts requests and reaps
+    launchers in turn, so nothing but this thread exists when it forks."""
+    die_with_parent()
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(socket_path)
+    listening.listen(8)
+    listening.settimeout(_POLL_S)
     print("ready", flush=True)
+    running: dict[int, socket.socket] = {}  # launcher pid -> the connection waiting for its exit code
     while True:
-        connection, _ = server.accept()
-        with connection:
-            request = json.loads(connection.makefile().readline())
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                server.close()
-                connection.close()
-                die_with_parent()
-                code = 1
-                try:
-                    code = _launcher(request)
-                except BaseException:  # noqa: BLE001 - reported as a fresh process would, on its stderr
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
+        try:
+            connection, _ = listening.accept()
+        except TimeoutError:
+            pass
+        else:
+            connection.settimeout(None)
+            pid = _start(json.loads(connection.makefile().readline()), listening, connection)
             connection.sendall(f"{pid}\n".encode())
-            _, status = os.waitpid(pid, 0)
-            with contextlib.suppress(OSError):  # the caller gave up waiting (a timeout) and killed the launcher
+            running[pid] = connection
+        while running and (ended := os.waitpid(-1, os.WNOHANG))[0]:
+            pid, status = ended
+            with running.pop(pid) as connection, contextlib.suppress(OSError):  # a caller that timed out is gone
                 connection.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
 
 

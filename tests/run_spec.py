@@ -76,11 +76,11 @@ class RunSpec:
     # (or, with "at": "backward", after its forward), in a run's first attempt only (not after a torchrun restart)
     interrupt: dict[str, Any] | None = None
     # torchft replica-group drills: [{"step": k, "file": path, "grace_s": s}, ...]: wait as step k starts (step 0: in
-    # the run's set-up) until the file exists (another group has started), then s seconds more; announce_file:
-    # written as the run's set-up begins; record each rank's digest of its parameter shards after fit
-    # ("parameter_digest").
+    # the run's set-up) until the file exists (another group has got there), then s seconds more; announce_files:
+    # [{"step": k, "file": path}, ...]: rank 0 writes the file as step k starts (step 0: as the set-up begins);
+    # record each rank's digest of its parameter shards after fit ("parameter_digest").
     wait_for_files: list[dict[str, Any]] = field(default_factory=list)
-    announce_file: str | None = None
+    announce_files: list[dict[str, Any]] = field(default_factory=list)
     record_parameter_digest: bool = False
     slow_writes_s: float = 0.0  # added to each DCP shard write
     kill_during_save: dict[str, int] | None = None  # {"rank": r, "save": n}: SIGKILL rank r in its n-th shard write

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +50,13 @@ def _group_run(address: str, group: int, run: RunSpec = BASE_RUN, strategy_knobs
         run, timeout_seconds=20, record_parameter_digest=True,
         strategy={"fault_tolerance": "torchft", "data_parallel_replicate_size": GROUPS, "torchft_lighthouse": address,
                   "replica_group_id": group, **(strategy_knobs or {})}, **changes)
+
+
+def _wait_for(path: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} was not written within {timeout_s} s"
+        time.sleep(0.1)
 
 
 def _in_background(run: Callable[[], Any]) -> Callable[[], Any]:
@@ -113,12 +121,14 @@ def test_a_dead_group_leaves_the_survivor_training_and_rejoins_with_its_state(
         data: str, reference_run: ReferenceRun, tmp_path: Path, test_env: dict[str, str]) -> None:
     run = dataclasses.replace(BASE_RUN, data=data)
     single_process = reference_run(run)
-    killed_at, rejoin_by = 5, 8
-    files = {name: str(tmp_path / name) for name in ("group0_started", "group1_started", "group1_relaunched")}
-    # Each group's set-up waits until the other has started, so that both are in the first quorum; group 0 also
-    # waits at step 8 for group 1's relaunch, so that it rejoins before the run ends (the grace lets the relaunched
-    # group's set-up reach its quorum request).
+    killed_at, alone_until, rejoin_by = 5, 7, 8
+    files = {name: str(tmp_path / name) for name in ("group0_started", "group1_started", "group0_alone",
+                                                     "group1_relaunched")}
+    # Each group's set-up waits until the other has started, so that both are in the first quorum. Group 1 is
+    # relaunched once group 0 has trained alone up to step 7; group 0 waits at step 8 for that relaunch, so that it
+    # rejoins before the run ends (the grace lets the relaunched group's set-up reach its quorum request).
     gate = lambda step, name: {"step": step, "file": files[name], "grace_s": 5 if step else 0}  # noqa: E731
+    announce = lambda step, name: [{"step": step, "file": files[name]}]  # noqa: E731
     # Group 1 checkpoints every 3 steps and auto-resumes: its relaunch loads step 3 from disk, then takes the live
     # group's newer state as it joins.
     folder = tmp_path / "group1_checkpoints"
@@ -126,17 +136,19 @@ def test_a_dead_group_leaves_the_survivor_training_and_rejoins_with_its_state(
               "model_checkpoint": {"dirpath": str(folder), "every_n_train_steps": 3, "save_top_k": -1}}
     with lighthouse(min_replicas=1) as address:
         survivor = _in_background(lambda: launch(RANKS_PER_GROUP, _group_run(
-            address, 0, run, announce_file=files["group0_started"],
+            address, 0, run, announce_files=announce(0, "group0_started") + announce(alone_until, "group0_alone"),
             wait_for_files=[gate(0, "group1_started"), gate(rejoin_by, "group1_relaunched")]),
             tmp_path / "group0", test_env))
         # Both ranks of group 1 die after step 5's forward, inside the step the survivor is training with them.
         with pytest.raises(AssertionError, match="SIGKILL|Signals.SIGKILL|-9"):
             launch(RANKS_PER_GROUP, _group_run(
-                address, 1, run, announce_file=files["group1_started"], wait_for_files=[gate(0, "group0_started")],
+                address, 1, run, announce_files=announce(0, "group1_started"),
+                wait_for_files=[gate(0, "group0_started")],
                 interrupt={"ranks": [0, 1], "step": killed_at, "signal": "SIGKILL", "at": "backward"}, **group1),
                    tmp_path / "group1_killed", test_env)
         assert [path.name for path in folder.glob("*.ckpt")] == ["epoch=0-step=3.ckpt"]
-        rejoined = launch(RANKS_PER_GROUP, _group_run(address, 1, run, announce_file=files["group1_relaunched"],
+        _wait_for(Path(files["group0_alone"]))
+        rejoined = launch(RANKS_PER_GROUP, _group_run(address, 1, run, announce_files=announce(0, "group1_relaunched"),
                                                       **group1), tmp_path / "group1_rejoined", test_env)
         survived = survivor()
     steps = [step["step"] for step in survived[0]["steps"]]
@@ -144,7 +156,7 @@ def test_a_dead_group_leaves_the_survivor_training_and_rejoins_with_its_state(
     # The same global batch every step, whoever is alive: no sample skipped or trained twice.
     _assert_matches(survived, single_process, "surviving group 0")
     first = rejoined[0]["steps"][0]["step"]
-    assert killed_at < first <= rejoin_by + 1 and rejoined[0]["steps"][-1]["step"] == run.steps, rejoined[0]
+    assert alone_until < first <= rejoin_by + 1 and rejoined[0]["steps"][-1]["step"] == run.steps, rejoined[0]
     _assert_matches(rejoined, single_process, "rejoined group 1")
     # Recovered from the live peer, then stepped with it: bitwise the same shards at the end.
     assert [r["parameter_digest"] for r in rejoined] == [r["parameter_digest"] for r in survived]

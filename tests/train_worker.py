@@ -273,20 +273,23 @@ class Interrupt(Callback):
 
 
 class RejoinGate(Callback):
-    """``RunSpec.wait_for_files`` and ``announce_file``: a replica group waits at a step until another one has
-    started, so that the groups meet in the step the drill needs (the first, or one before the run ends)."""
+    """``RunSpec.wait_for_files`` and ``announce_files``: a replica group waits at a step until another one has got
+    somewhere, so that the groups meet in the step the drill needs (the first, or one before the run ends)."""
 
-    def __init__(self, wait_for_files: list[dict[str, Any]], announce_file: str | None) -> None:
+    def __init__(self, wait_for_files: list[dict[str, Any]], announce_files: list[dict[str, Any]]) -> None:
         self.gates = {gate["step"]: gate for gate in wait_for_files}
-        self.announce_file = announce_file
+        self.announcements = {announcement["step"]: announcement["file"] for announcement in announce_files}
 
     def setup(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
-        if self.announce_file is not None and trainer.global_rank == 0:
-            Path(self.announce_file).touch()
-        self._wait(self.gates.get(0))  # step 0: before the strategy's set-up (a torchft group's first quorum)
+        self._announce_and_wait(trainer, 0)  # step 0: before the strategy's set-up (a torchft group's first quorum)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self._wait(self.gates.get(trainer.global_step + 1))
+        self._announce_and_wait(trainer, trainer.global_step + 1)
+
+    def _announce_and_wait(self, trainer: L.Trainer, step: int) -> None:
+        if step in self.announcements and trainer.global_rank == 0:
+            Path(self.announcements[step]).touch()
+        self._wait(self.gates.get(step))
 
     @staticmethod
     def _wait(gate: dict[str, Any] | None) -> None:
@@ -405,8 +408,8 @@ def main(spec: RunSpec, out_dir: Path) -> None:
         callbacks.append(Sabotage(spec.drill, out_dir))
     if spec.interrupt is not None:
         callbacks.append(Interrupt(spec.interrupt))
-    if spec.wait_for_files or spec.announce_file is not None:
-        callbacks.append(RejoinGate(spec.wait_for_files, spec.announce_file))
+    if spec.wait_for_files or spec.announce_files:
+        callbacks.append(RejoinGate(spec.wait_for_files, spec.announce_files))
     throughput = Throughput(**spec.throughput) if spec.throughput is not None else None
     memory_probe = MemoryProbe(spec.memory_probe_step) if spec.memory_probe_step is not None else None
     callbacks += [callback for callback in (throughput, memory_probe) if callback is not None]
