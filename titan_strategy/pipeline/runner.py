@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from inspect import signature
 from typing import Any, NamedTuple
 
 import torch
@@ -206,8 +207,13 @@ class PipelineRunner:
         # scale_grads=False: torch would divide *all* gradients by the microbatch count after every
         # step, accumulated ones included; the runner scales each microbatch loss instead.
         first = stages[0] if issubclass(schedule_cls, PipelineScheduleSingle) else stages
-        return schedule_cls(first, n_microbatches=self.layout.microbatches, loss_fn=self._scaled_loss,
-                            scale_grads=False)
+        schedule = schedule_cls(first, n_microbatches=self.layout.microbatches, loss_fn=self._scaled_loss,
+                                scale_grads=False)
+        # By default the last stage keeps every microbatch's output (the logits) until the step ends, to return them
+        # merged: 64 x 0.24 GiB on a rehearsed 405B PP16 last stage. Only the losses are read here.
+        self._keep_no_outputs = {"return_outputs": False} if "return_outputs" in signature(schedule.step).parameters \
+            else {}
+        return schedule
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         """What the schedule runs backward on: the microbatch's loss (its token sum, or its mean) scaled by
@@ -240,7 +246,7 @@ class PipelineRunner:
         args = (inputs,) if self._holds_first else ()
         losses: list[Tensor] = []
         # The schedule splits keyword inputs into microbatches and hands them to every stage's forward.
-        self._schedule.step(*args, **self._plan.stage_inputs(batch),
+        self._schedule.step(*args, **self._plan.stage_inputs(batch), **self._keep_no_outputs,
                             **({"target": target, "losses": losses} if self._holds_last else {}))
         self._set_aside = [(p, p.grad) for p in self._parameters if p.grad is not None]
         for param, _ in self._set_aside:

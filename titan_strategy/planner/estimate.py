@@ -57,15 +57,16 @@ RUNTIME_GIB = 2.0
 # selective_op kept 91.6% of the speed, full 83.7%).
 RECOMPUTE: dict[ACMode, float] = {"none": 0.0, "selective_op": 0.09, "selective_layer": 0.10, "full": 0.19}
 # What full AC keeps per block and microbatch under FSDP, as a multiple of the block's input, without and with
-# PP. Measured by rehearsing ranks on one H200 (benchmarks/RESULTS.md, "Rehearsals"; tests/test_planner.py):
-# 1.4-1.6 on 70B FSDP32 x TP8, 70B FSDP64 x TP4, 405B FSDP64 x TP8 and 8B CP8; 2.75 on the 405B PP8 first
-# stage, where the peak's breakdown shows FSDP's bf16 copies of every in-flight block's floating inputs and
-# the sequence all-gathers' outputs beside the block inputs.
-FULL_AC_KEPT = {False: 1.5, True: 2.75}
-# Bytes per parameter of a pipeline stage's unsharded gradients until FSDP reduces them at its last microbatch:
-# the fp32 accumulation plus the bf16 gradients not yet folded into it (405B first stage, rehearsed: 30.1 GiB
-# for its 15 blocks and embedding, 6.24 B parameters after TP).
-PP_UNSHARDED_GRADIENT_BYTES = 5.18
+# PP, beside the RoPE table copies and pipeline buffers counted on their own (``_memory``). Fitted on the ranks
+# rehearsed on one H200 (benchmarks/RESULTS.md, "Rehearsals"; tests/test_planner.py): 1.3 without PP (the
+# sequence all-gathers' outputs beside the block inputs), 1.0, the input alone, under PP.
+FULL_AC_KEPT = {False: 1.3, True: 1.0}
+# Bytes per parameter of a pipeline stage's unsharded gradients until FSDP reduces them at its last microbatch, at
+# the rank's peak: on the first stage's rank the fp32 accumulation plus bf16 gradients not yet folded into it (405B
+# first stages, rehearsed: 30.1 GiB for 15 blocks and the embedding, 6.24 B parameters after TP); on the last
+# stage's rank, whose peak comes with fewer microbatches in flight, the fp32 accumulation (the PP8 and PP16 last
+# stages' rehearsed peaks).
+PP_UNSHARDED_GRADIENT_BYTES = {"first": 5.18, "last": 4.0}
 
 
 @runtime_checkable
@@ -91,6 +92,10 @@ class ModelShape(Protocol):
 
     @property
     def ffn_dim(self) -> int: ...
+
+    @property
+    def max_seq_len(self) -> int:
+        """Rows of the RoPE table."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -120,7 +125,8 @@ def activation_bytes_per_token(shape: ModelShape, ac: str, compiled: bool = True
     No AC: norm inputs and outputs, q/k/v before and after RoPE, attention output, gate, up and their
     product (6 x dim + 2 x kv_dim + 3 x ffn_dim values); an eager block adds the fp32 copies its
     norms and RoPE keep (``EAGER_EXTRA_VALUES`` x dim). selective_op: attention's output and every
-    other matmul's (3 x dim + kv_dim + 1.5 x ffn_dim). full: the block's input. selective_layer (every
+    other matmul's (q, v, gate, down: 3 x dim + kv_dim + ffn_dim, as an eager block's saved tensors show;
+    a compiled block's measured peak fits 1.5 x ffn_dim). full: the block's input. selective_layer (every
     2nd block, the strategy's default): the mean of none and full.
 
     ``autocast`` (a single device, no FSDP): the residual stream stays fp32, so the residual-sized
@@ -129,7 +135,8 @@ def activation_bytes_per_token(shape: ModelShape, ac: str, compiled: bool = True
     """
     d, kv, f = shape.dim, kv_dim(shape), shape.ffn_dim
     eager = 0 if compiled else EAGER_EXTRA_VALUES * d
-    values = {"none": 6 * d + 2 * kv + 3 * f + eager, "selective_op": 3 * d + kv + 1.5 * f, "full": d}
+    values = {"none": 6 * d + 2 * kv + 3 * f + eager, "selective_op": 3 * d + kv + (1.5 if compiled else 1.0) * f,
+              "full": d}
     if autocast:
         fp32_extra = {"none": (2 if compiled else 4) * d, "selective_op": d, "full": d}
         values = {mode: value + fp32_extra[mode] for mode, value in values.items()}
@@ -201,7 +208,8 @@ class Estimate:
     def peak_of(m: dict[str, float]) -> float:
         """The allocated peak of a memory breakdown."""
         working_set = max(m["activations"] + max(m["logits_loss"], m["recompute_window"]), m["gradients"])
-        return m["parameters"] + m["optimizer"] + m["bf16_weights"] + m["unsharded_gradients"] + working_set
+        return (m["parameters"] + m["optimizer"] + m["bf16_weights"] + m["unsharded_gradients"] + m["pipeline_buffers"]
+                + working_set)
 
     @property
     def peak_reserved_gib(self) -> float:
@@ -233,14 +241,21 @@ def _in_flight_microbatches(layout: Layout, pp_rank: int) -> float:
     return min(n * v, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1) / v
 
 
-def _rank_layers(shape: ModelShape, layout: Layout, pp_rank: int) -> int:
-    """Blocks pipeline rank ``pp_rank`` holds, split and placed as the strategy does (``PipelineConfig.resolve``)."""
+def _rank_stages(shape: ModelShape, layout: Layout, pp_rank: int) -> tuple[int, int]:
+    """Blocks pipeline rank ``pp_rank`` holds, split and placed as the strategy does (``PipelineConfig.resolve``),
+    and how many receive buffers per microbatch its stages hold.
+
+    torch's pipeline stages allocate before the first step one buffer per microbatch for each activation a stage
+    receives (every stage but the first) and for each gradient (every stage but the last), kept for the run.
+    """
     if layout.pp == 1:
-        return shape.n_layers
+        return shape.n_layers, 0
     assert layout.schedule is not None
     pipeline = PipelineConfig(size=layout.pp, schedule=layout.schedule, microbatches=layout.microbatches,
                               stages_per_rank=layout.stages_per_rank).resolve(shape.n_layers)
-    return sum(len(pipeline.blocks[stage]) for stage in pipeline.stages_of(pp_rank))
+    stages = pipeline.stages_of(pp_rank)
+    receives = sum((stage > 0) + (stage < pipeline.num_stages - 1) for stage in stages)
+    return sum(len(pipeline.blocks[stage]) for stage in stages), receives
 
 
 def _bubble(layout: Layout) -> float:
@@ -296,7 +311,7 @@ def _memory(shape: ModelShape, layout: Layout, job: Job, pp_rank: int) -> dict[s
     """What pipeline rank ``pp_rank`` holds at its peak, by part (GiB); without PP, every rank."""
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     embed = shape.vocab_size * shape.dim
-    layers = _rank_layers(shape, layout, pp_rank)
+    layers, receives = _rank_stages(shape, layout, pp_rank)
     # Its blocks, plus the embedding on the first stage and the output projection on the last (one rank: both).
     rank_params = (layers * shape.block_params + embed * (first + last)) / layout.tp
     shards = layout.dp_shard * layout.cp
@@ -316,17 +331,31 @@ def _memory(shape: ModelShape, layout: Layout, job: Job, pp_rank: int) -> dict[s
     # Under sequence parallelism the two norm outputs are all-gathered to the full sequence before the
     # column-parallel matmuls, and those gathered inputs are what their backward keeps.
     gathered_inputs = 2 * shape.dim * _BF16 * (1 - 1 / layout.tp)
+    # selective_op keeps the feed-forward's last matmul output (w2, every other matmul), which under TP is the
+    # row-parallel partial sum of the whole width for the whole sequence, before its reduce-scatter (an eager
+    # TP block's saved tensors show it).
+    partial_sums = shape.dim * _BF16 * (1 - 1 / layout.tp)
+    # FSDP's mixed precision casts each block's floating inputs, the whole RoPE table among them, at every call.
+    # An eager checkpointed block keeps its inputs for the recomputation, so one bf16 copy of the table (max_seq_len
+    # rows of head_dim cos/sin values) per block and microbatch in flight; a compiled block keeps only the rows it
+    # used, and a block without AC only its RoPE's products.
+    checkpointed = {"none": 0.0, "selective_layer": 0.5}.get(layout.ac, 1.0)
+    rope_copy = 0.0 if single_device or job.compiled_blocks else \
+        checkpointed * shape.max_seq_len * shape.dim // shape.n_heads * _BF16
     kept_by_full_ac = 1.0 if single_device else FULL_AC_KEPT[layout.pp > 1]
 
     def saved_per_token(ac: str) -> float:
         saved = activation_bytes_per_token(shape, ac, job.compiled_blocks, autocast=single_device) / layout.tp
-        return saved * (kept_by_full_ac if ac == "full" else 1.0) + (gathered_inputs if ac == "none" else 0.0)
+        return saved * (kept_by_full_ac if ac == "full" else 1.0) + (gathered_inputs if ac == "none" else 0.0) + (
+            partial_sums if ac == "selective_op" else 0.0)
 
     in_flight = _in_flight_microbatches(layout, pp_rank)
-    activations = microbatch_tokens * layers * in_flight * saved_per_token(layout.ac)
+    activations = layers * in_flight * (microbatch_tokens * saved_per_token(layout.ac) + rope_copy)
     # Under full AC, backward recomputes one block's whole activations at a time, once the logits are gone.
     recompute_window = microbatch_tokens * saved_per_token("none") if layout.ac == "full" else 0.0
     logits = microbatch_tokens * shape.vocab_size / layout.tp * LOGIT_BYTES[job.compiled_loss] if last else 0.0
+    # A stage boundary carries the residual stream, sequence-sharded over TP.
+    receive_buffers = receives * layout.microbatches * microbatch_tokens / layout.tp * shape.dim * _BF16
     return {
         "parameters": rank_params / shards * _FP32 / GIB,
         "gradients": rank_params / shards * _FP32 / GIB,
@@ -334,7 +363,9 @@ def _memory(shape: ModelShape, layout: Layout, job: Job, pp_rank: int) -> dict[s
         "bf16_weights": bf16_weights / GIB,
         # Under PP, torch's schedules defer FSDP's reduce-scatter to a stage's last microbatch: until then
         # the stage's gradients accumulate unsharded.
-        "unsharded_gradients": (rank_params * PP_UNSHARDED_GRADIENT_BYTES if layout.pp > 1 else 0.0) / GIB,
+        "unsharded_gradients": (rank_params * PP_UNSHARDED_GRADIENT_BYTES["last" if last else "first"]
+                                if layout.pp > 1 else 0.0) / GIB,
+        "pipeline_buffers": receive_buffers / GIB,
         "activations": activations / GIB,
         "logits_loss": logits / GIB,
         "recompute_window": recompute_window / GIB,

@@ -11,15 +11,10 @@ __all__ = ["format_plans", "save_memory_png"]
 
 # Where the memory estimate missed a rehearsed rank by far more than 10% (benchmarks/RESULTS.md, "Rehearsals"):
 # the 405B FSDP4 x TP8 x PP16 Interleaved1F1B rank with selective_op AC held 113 GiB, 38% above the estimate.
-UNVERIFIED_MEMORY = "PP with selective AC: the estimate was 38-43% low on a rehearsed rank; titan rehearse it"
 
 
-def memory_unverified(plan: Plan) -> bool:
-    return plan.layout.pp > 1 and plan.layout.ac.startswith("selective")
-
-
-_PARTS = ("parameters", "gradients", "optimizer", "bf16_weights", "unsharded_gradients", "activations",
-          "logits_loss", "recompute_window")
+_PARTS = ("parameters", "gradients", "optimizer", "bf16_weights", "unsharded_gradients", "pipeline_buffers",
+          "activations", "logits_loss", "recompute_window")
 
 
 def _layout_cells(plan: Plan) -> list[str]:
@@ -39,15 +34,13 @@ def format_plans(plans: list[Plan], job: Job, save_window_s: float) -> str:
         # The whole job's checkpoint in the save window: every rank writes its shard at once.
         write_gbps = e.checkpoint_gib_per_rank * 2**30 * job.gpus / save_window_s / 1e9
         rows.append([str(index), *_layout_cells(plan), f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.step_s:.2f}",
-                     f"{e.memory_gib:.1f}" + ("*" if memory_unverified(plan) else ""),
+                     f"{e.memory_gib:.1f}",
                      f"{m['parameters'] + m['gradients'] + m['optimizer']:.1f}",
                      f"{m['activations']:.1f}", f"{m['logits_loss']:.1f}", f"{e.checkpoint_gib_per_rank:.2f}",
                      f"{write_gbps:.1f}"])
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in [header, *rows]]
     best = plans[0]
-    if any(memory_unverified(plan) for plan in plans):
-        lines += ["", f"* {UNVERIFIED_MEMORY}."]
     lines += ["", f"Why #1 ({job.gpus} x {job.gpu.name}, {job.gpu.memory_gib:g} GiB):",
               *(f"  - {reason}" for reason in best.reasons),
               "  step time: " + ", ".join(f"{name} {value:.2f} s" for name, value in best.estimate.time.items()
