@@ -41,15 +41,15 @@ def _launcher(request: dict) -> int:
     return launch_ranks(request["nproc"], Path(request["spec_file"]), Path(request["out_dir"]))
 
 
-def _start(request: dict, listening: socket.socket, connection: socket.socket) -> int:
-    """Fork the launcher of ``request``; return its pid."""
+def _start(request: dict, server_sockets: list[socket.socket]) -> int:
+    """Fork the launcher of ``request``; return its pid. The launcher closes its copies of the server's sockets."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid:
         return pid
-    listening.close()
-    connection.close()
+    for server_socket in server_sockets:
+        server_socket.close()
     die_with_parent()
     code = 1
     try:
@@ -79,7 +79,7 @@ def serve(socket_path: str) -> None:
             pass
         else:
             connection.settimeout(None)
-            pid = _start(json.loads(connection.makefile().readline()), listening, connection)
+            pid = _start(json.loads(connection.makefile().readline()), [listening, connection, *running.values()])
             connection.sendall(f"{pid}\n".encode())
             running[pid] = connection
         while running and (ended := os.waitpid(-1, os.WNOHANG))[0]:

@@ -194,6 +194,10 @@ class PipelineRunner:
         self._rehearsal_boundary = rehearsal_boundary
         self._boundary: Tensor | None = None  # the rehearsal's boundary activation of the current microbatches
         self._schedule = self._build_schedule(config.schedule, stage_ids)
+        # By default the last stage keeps every microbatch's output (the logits) until the step ends, to return them
+        # merged: 64 x 0.24 GiB on a rehearsed 405B PP16 last stage. Only the losses are read here.
+        self._keep_no_outputs = {"return_outputs": False} \
+            if "return_outputs" in signature(self._schedule.step).parameters else {}
         self._forward_only = _ForwardPipeline(stage_modules, stage_ids, layout, self.group, device)
         log.info("Pipeline stages %s of %d on this rank (%s, %d microbatches)", stage_ids, layout.num_stages,
                  config.schedule, layout.microbatches)
@@ -207,13 +211,8 @@ class PipelineRunner:
         # scale_grads=False: torch would divide *all* gradients by the microbatch count after every
         # step, accumulated ones included; the runner scales each microbatch loss instead.
         first = stages[0] if issubclass(schedule_cls, PipelineScheduleSingle) else stages
-        schedule = schedule_cls(first, n_microbatches=self.layout.microbatches, loss_fn=self._scaled_loss,
-                                scale_grads=False)
-        # By default the last stage keeps every microbatch's output (the logits) until the step ends, to return them
-        # merged: 64 x 0.24 GiB on a rehearsed 405B PP16 last stage. Only the losses are read here.
-        self._keep_no_outputs = {"return_outputs": False} if "return_outputs" in signature(schedule.step).parameters \
-            else {}
-        return schedule
+        return schedule_cls(first, n_microbatches=self.layout.microbatches, loss_fn=self._scaled_loss,
+                            scale_grads=False)
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         """What the schedule runs backward on: the microbatch's loss (its token sum, or its mean) scaled by
