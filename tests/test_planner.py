@@ -201,18 +201,11 @@ def _rehearsed_config(config: str, num_nodes: int | None = None, batch_size: int
     return values
 
 
-# Peak allocated GiB of one rank, measured by `titan rehearse` (benchmarks/rehearsal.py) on 2026-12-04, one
-# NVIDIA H200, torch 2.11.0+cu130, the shipped configs as written plus the changes shown (benchmarks/RESULTS.md,
-# "Rehearsals"). The first pipeline stage's rank is 0, the last stage's 448 (480 under PP16). A last stage then
-# also kept every microbatch's logits until its step ended (torch's schedule returns them unless told not to;
-# the runner has told it since 2026-12-05): those bf16 logits, exact, are taken off its measurements here.
-_KEPT_LOGITS_GIB = 8192 * 128_256 // 8 * 2 / 2**30  # one 405B microbatch's, under TP8 loss parallel
-
-
-def _without_kept_logits(measured_gib: float, microbatches: int) -> float:
-    return measured_gib - microbatches * _KEPT_LOGITS_GIB
-
-
+# Peak allocated GiB of one rank, measured by `titan rehearse` (benchmarks/rehearsal.py) on one GPU with torch
+# 2.11.0+cu130, the shipped configs as written plus the changes shown (benchmarks/RESULTS.md, "Rehearsals"). The
+# first pipeline stage's rank is 0, the last stage's 448 (480 under PP16). Every rank on 2026-12-04 on an H200,
+# except the three last stages: re-measured on 2026-12-05 on an H100, after the runner stopped keeping each
+# microbatch's logits (they came to within 0.25 GiB of the 2026-12-04 numbers less those logits).
 _PP16_SELECTIVE_OP = {"batch_size": 64, "pipeline_parallel_size": 16, "data_parallel_shard_size": 4,
                       "pipeline_microbatches": 64, "activation_checkpointing": "selective_op"}
 REHEARSED_PEAKS = [
@@ -238,17 +231,17 @@ REHEARSED_PEAKS = [
      "first", 39.70),
     ("405B PP8 Interleaved1F1B first", _rehearsed_config("llama3_405b_fsdp8_tp8_pp8.yaml"), "first", 67.38),
     ("405B PP8 Interleaved1F1B last", _rehearsed_config("llama3_405b_fsdp8_tp8_pp8.yaml"), "last",
-     _without_kept_logits(55.84, 16)),
+     52.17),
     ("405B PP8 1F1B first", _rehearsed_config("llama3_405b_fsdp8_tp8_pp8.yaml", pipeline_schedule="1F1B"),
      "first", 62.59),
     ("405B PP8 1F1B last", _rehearsed_config("llama3_405b_fsdp8_tp8_pp8.yaml", pipeline_schedule="1F1B"),
-     "last", _without_kept_logits(51.38, 16)),
+     "last", 47.70),
     ("8B CP8 262,144 tokens", _rehearsed_config("llama3_8b_cp8_256k.yaml"), "first", 70.36),
     ("405B FSDP4 x TP8 x PP16 selective_op first", _rehearsed_config("llama3_405b_fsdp8_tp8_pp8.yaml",
                                                                      **_PP16_SELECTIVE_OP), "first", 113.14),
     ("405B FSDP4 x TP8 x PP16 selective_op last", _rehearsed_config("llama3_405b_fsdp8_tp8_pp8.yaml",
                                                                     **_PP16_SELECTIVE_OP), "last",
-     _without_kept_logits(79.63, 64)),
+     64.21),
 ]
 
 
