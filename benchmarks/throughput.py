@@ -52,6 +52,7 @@ from titan_strategy.callbacks.throughput import peak_tflops_of
 from titan_strategy.config import TitanConfig
 from titan_strategy.grad_norm import clip_grad_norm_
 from titan_strategy.kernels.adamw import ADAMW_KERNELS
+from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
 from titan_strategy.master_weights import hold_master_weights
 from titan_strategy.mesh import build_mesh
 from titan_strategy.parallelize import parallelize
@@ -154,7 +155,8 @@ def _module(row: dict[str, Any]) -> LlamaModule:
         config = dataclasses.replace(config, n_layers=row["n_layers"])
     return LlamaModule(model=dataclasses.replace(config, max_seq_len=max(row["seq_len"], 2048)), warmup_steps=10,
                        decay_steps=1000, attention_kernel=row["attention_kernel"], adamw=row["adamw"],
-                       attention_mask=row["attention_mask"])
+                       attention_mask=row["attention_mask"], cross_entropy=row["cross_entropy"],
+                       loss_chunk_tokens=row["loss_chunk_tokens"])
 
 
 def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
@@ -179,7 +181,11 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
     for step, batch in enumerate(_loader(row, module.config.vocab_size), start=1):
         batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss_sum, num_tokens = loss_fn(model(batch["input_ids"], batch.get("document_ids")), batch["labels"])
+            if module.cross_entropy == "chunked":  # the model's own fused projection and loss
+                loss_sum = model(batch["input_ids"], batch.get("document_ids"), batch["labels"])
+                num_tokens = (batch["labels"] != -100).sum()
+            else:
+                loss_sum, num_tokens = loss_fn(model(batch["input_ids"], batch.get("document_ids")), batch["labels"])
         loss = loss_sum / num_tokens.clamp(min=1)
         loss.backward()
         clip_grad_norm_(list(model.parameters()), max_norm=1.0)
@@ -258,7 +264,8 @@ def run_row(row: dict[str, Any]) -> dict[str, Any]:
 
 def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     common = {"seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "profile": args.profile,
-              "attention_kernel": args.attention_kernel, "attention_mask": args.attention_mask, "adamw": args.adamw}
+              "attention_kernel": args.attention_kernel, "attention_mask": args.attention_mask, "adamw": args.adamw,
+              "cross_entropy": args.cross_entropy, "loss_chunk_tokens": args.loss_chunk_tokens}
     if args.matrix is None:
         shape = {"flavor": args.flavor, "n_layers": args.n_layers, "batch_size": args.batch_size}
         return [{**shape, **common, "compile": args.compile, "compile_loss": args.compile_loss,
@@ -271,9 +278,9 @@ def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = ["| shape | attention | AdamW | compile | compiled loss | AC | float8 | tokens/s | MFU (attended) | "
-             "peak alloc / reserved GiB | plain loop tokens/s | Lightning / plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | attention | AdamW | cross-entropy | compile | compiled loss | AC | float8 | tokens/s | "
+             "MFU (attended) | peak alloc / reserved GiB | plain loop tokens/s | Lightning / plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         run, plain = r["lightning"], r.get("plain")
         shape = r["flavor"] if r["n_layers"] is None else f"{r['flavor']} width x {r['n_layers']} layers"
@@ -283,7 +290,8 @@ def _table(results: list[dict[str, Any]]) -> str:
         reference = "—" if plain is None else "OOM" if plain.get("oom") else f"{plain['tokens_per_s']:,}"
         ratio = f"{r['lightning_vs_plain']:.3f}" if "lightning_vs_plain" in r else "—"
         attention = r["attention_kernel"] + (", block-causal" if r["attention_mask"] == "block_causal" else "")
-        lines.append(f"| {shape} | {attention} | {r['adamw']} | {'yes' if r['compile'] else 'no'} | "
+        loss = r["cross_entropy"] + (f" ({r['loss_chunk_tokens']})" if r["cross_entropy"] == "chunked" else "")
+        lines.append(f"| {shape} | {attention} | {r['adamw']} | {loss} | {'yes' if r['compile'] else 'no'} | "
                      f"{'yes' if r['compile_loss'] else 'no'} | "
                      f"{r['ac']} | {r['float8']} | {speed} | {memory} | {reference} | {ratio} |")
     return "\n".join(lines)
@@ -317,6 +325,10 @@ def main() -> None:
                         help="LlamaModule(attention_kernel=...): torch's SDPA, FlashAttention-4 or FlexAttention")
     parser.add_argument("--attention-mask", default="causal", choices=["causal", "block_causal"],
                         help="LlamaModule(attention_mask=...); block_causal cuts windows into C4-length documents")
+    parser.add_argument("--cross-entropy", default="chunked", choices=["chunked", "logits"],
+                        help="LlamaModule(cross_entropy=...): projection and loss fused by chunks, or logits then loss")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                        help="LlamaModule(loss_chunk_tokens=...): tokens per chunk of the chunked cross-entropy")
     parser.add_argument("--adamw", default="auto", choices=ADAMW_KERNELS,
                         help="LlamaModule(adamw=...): the AdamW kernel; auto is triton on CUDA")
     parser.add_argument("--reference", action="store_true", help="also run the plain-loop reference")

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from llama_module.args import LlamaConfig, RopeScaling
 from llama_module.documents import AttentionMask, DocumentMasking, RopePositions, flex_attention
-from titan_strategy.kernels import flash_attention4
+from titan_strategy.kernels import flash_attention4, linear_cross_entropy
+from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
 
 __all__ = ["Llama", "ParamFiller", "check_attention_kernel", "fill_in_place", "rope_table"]
 
@@ -201,16 +202,32 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class OutputProjection(nn.Linear):
+    """The projection onto the vocabulary. Given ``labels`` it returns the next-token cross-entropy summed over the
+    labelled tokens (fp32, labels of -100 ignored) instead of the logits, which then never exist whole
+    (``titan_strategy.kernels.linear_cross_entropy``), ``chunk_tokens`` tokens at a time."""
+
+    def __init__(self, dim: int, vocab_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, x: Tensor, labels: Tensor | None = None) -> Tensor:
+        if labels is None:
+            return super().forward(x)
+        return linear_cross_entropy(x, self.weight, labels, self.chunk_tokens)
+
+
 class Llama(nn.Module):
-    """Token ids (bs, seqlen) -> logits (bs, seqlen, vocab_size).
+    """Token ids (bs, seqlen) -> logits (bs, seqlen, vocab_size); with ``labels``, their loss sum instead.
 
     ``tok_embeddings``, ``norm`` and ``output`` may be set to ``None`` (a pipeline stage without
     them): then the input is the hidden state and the output the hidden state. ``attention_kernel``:
-    see ``AttentionCore``; ``attention_mask`` and ``rope_positions``: see ``DocumentMasking``.
+    see ``AttentionCore``; ``attention_mask`` and ``rope_positions``: see ``DocumentMasking``;
+    ``loss_chunk_tokens``: see ``OutputProjection``.
     """
 
     def __init__(self, config: LlamaConfig, attention_kernel: str = "sdpa", attention_mask: str = "causal",
-                 rope_positions: RopePositions = "document") -> None:
+                 rope_positions: RopePositions = "document", loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         super().__init__()
         check_attention_kernel(attention_kernel, attention_mask, resolved=True)
         self.config = config
@@ -218,20 +235,25 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, attention_kernel)
                                      for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output: OutputProjection | None = OutputProjection(config.dim, config.vocab_size,
+                                                                         loss_chunk_tokens)
         self.rope = RotaryTable(config)
         self.documents = DocumentMasking(config.max_seq_len, attention_mask, attention_kernel, rope_positions)
 
-    def forward(self, tokens: Tensor, document_ids: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, document_ids: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
         """``document_ids`` (bs, seqlen): which document of the window each token belongs to (see
-        ``llama_module.documents``); needed by the block-causal mask, ignored by the causal one."""
+        ``llama_module.documents``); needed by the block-causal mask, ignored by the causal one. ``labels``
+        (bs, seqlen): the next tokens, -100 where unlabelled; the output is then the 0-dim fp32 cross-entropy summed
+        over the labelled tokens, computed a chunk of tokens at a time without the full logits."""
         positions, mask = self.documents(document_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope()
         for block in self.layers.values():
             h = block(h, rope, positions, mask)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if labels is None else self.output(h, labels=labels)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, fill: ParamFiller = fill_in_place) -> None:

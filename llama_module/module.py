@@ -19,11 +19,13 @@ from titan_strategy import ParallelPlan, log_step_metric
 from titan_strategy.distributed import simulating_ranks
 from titan_strategy.kernels import ADAMW_KERNELS, build_adamw, check_flash_attention4
 from titan_strategy.kernels.flash_attention4 import FA4_MIN_CAPABILITY, flash_attention4_installed
-from titan_strategy.token_loss import TokenLoss, is_token_weighted, token_cross_entropy, token_mean
+from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
+from titan_strategy.token_loss import IGNORE_INDEX, TokenLoss, is_token_weighted, token_cross_entropy, token_mean
 
 __all__ = ["LlamaModule"]
 
 Batch = dict[str, Tensor]
+CROSS_ENTROPY = ("chunked", "logits")
 
 
 class LlamaModule(L.LightningModule):
@@ -56,13 +58,21 @@ class LlamaModule(L.LightningModule):
             (only to earlier tokens of its own document; batches then carry ``document_ids``, see
             ``llama_module.documents``).
         rope_positions: under ``block_causal``: ``document`` (positions restart at each document) or ``window``.
+        cross_entropy: how the training, validation and test loss is computed: ``chunked`` (the output projection
+            and the cross-entropy together, a chunk of tokens at a time, so the full-vocabulary logits never exist:
+            ``titan_strategy.kernels.linear_cross_entropy``; vocabulary-parallel under TP) or ``logits`` (the
+            logits, then ``compute_loss`` on them, as a module written for another strategy would). Prediction
+            always returns logits.
+        loss_chunk_tokens: tokens per chunk of the ``chunked`` cross-entropy (2048: 0.5 GB of bf16 logits at a 128K
+            vocabulary).
     """
 
     def __init__(self, model: str | LlamaConfig | dict[str, Any] = "debug", vocab_size: int | None = None,
                  max_seq_len: int | None = None, lr: float = 8e-4, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.1, warmup_steps: int = 200, decay_steps: int | None = None,
                  min_lr_ratio: float = 0.1, adamw: str = "auto", attention_kernel: str = "auto",
-                 attention_mask: str = "causal", rope_positions: str = "document") -> None:
+                 attention_mask: str = "causal", rope_positions: str = "document",
+                 cross_entropy: str = "chunked", loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         super().__init__()
         config = get_flavor(model) if isinstance(model, str) else LlamaConfig.from_dict(model) \
             if isinstance(model, dict) else model
@@ -70,6 +80,10 @@ class LlamaModule(L.LightningModule):
         self.config = dataclasses.replace(config, **overrides)
         check_masking(attention_mask, rope_positions)
         check_attention_kernel(attention_kernel, attention_mask)
+        if cross_entropy not in CROSS_ENTROPY:
+            raise ValueError(f"cross_entropy={cross_entropy!r} must be one of {list(CROSS_ENTROPY)}.")
+        if loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 1.")
         if adamw not in ADAMW_KERNELS:
             raise ValueError(f"adamw={adamw!r} must be one of {list(ADAMW_KERNELS)}.")
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
@@ -80,11 +94,14 @@ class LlamaModule(L.LightningModule):
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "decay_steps": decay_steps, "min_lr_ratio": min_lr_ratio,
                                    "adamw": adamw, "attention_kernel": attention_kernel,
-                                   "attention_mask": attention_mask, "rope_positions": rope_positions})
+                                   "attention_mask": attention_mask, "rope_positions": rope_positions,
+                                   "cross_entropy": cross_entropy, "loss_chunk_tokens": loss_chunk_tokens})
         self.adamw = adamw
         self.attention_kernel = attention_kernel
         self.attention_mask = attention_mask
         self.rope_positions = rope_positions
+        self.cross_entropy = cross_entropy
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.model: Llama | None = None
 
     def configure_model(self) -> None:
@@ -98,7 +115,8 @@ class LlamaModule(L.LightningModule):
         if self.attention_kernel == "flex" and self._root_device().type == "cpu":
             raise ValueError("attention_kernel='flex' trains on CUDA only: torch has no FlexAttention backward on "
                              "CPU. Use attention_kernel='sdpa' (a dense block-causal mask) on CPU.")
-        self.model = Llama(self.config, self.attention_kernel, self.attention_mask, self.rope_positions)
+        self.model = Llama(self.config, self.attention_kernel, self.attention_mask, self.rope_positions,
+                           self.loss_chunk_tokens)
         if not any(p.is_meta for p in self.model.parameters()):
             self.model.init_weights()  # a strategy that builds on the meta device initializes later
 
@@ -141,11 +159,12 @@ class LlamaModule(L.LightningModule):
     def parallel_plan(self) -> ParallelPlan:
         """Lets TitanStrategy parallelize the Llama (see ``llama_module.plan``)."""
         assert self.model is not None
-        return llama_plan(self.model, log_loss=self.log_loss)
+        return llama_plan(self.model, log_loss=self.log_loss, labels_to_last_stage=self.cross_entropy == "chunked")
 
-    def forward(self, input_ids: Tensor, document_ids: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, document_ids: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
+        """The logits; given ``labels``, the cross-entropy summed over the labelled tokens (chunked, see ``Llama``)."""
         assert self.model is not None, "configure_model() builds the model"
-        return self.model(input_ids, document_ids)
+        return self.model(input_ids, document_ids, labels)
 
     def check_batch(self, batch: Any, *args: Any) -> None:
         """Under the block-causal mask a batch must say where its documents start: checked by every loop's
@@ -164,13 +183,20 @@ class LlamaModule(L.LightningModule):
         return token_cross_entropy(logits, labels)
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> TokenLoss:
-        """TitanStrategy's hook under pipeline parallelism: the loss of one microbatch, from the last stage's output."""
+        """TitanStrategy's hook under pipeline parallelism: the loss of one microbatch, from the last stage's output
+        (with ``cross_entropy="chunked"`` that output already is the loss sum)."""
+        if self.cross_entropy == "chunked":
+            return output, (target != IGNORE_INDEX).sum()
         return self.compute_loss(output, target)
 
     def _mean_loss(self, batch: Batch) -> Tensor:
         # The mean over every labelled token of the global batch (and, in training, of the accumulation window).
-        logits = self(batch["input_ids"], batch.get("document_ids"))
-        return token_mean(self, *self.compute_loss(logits, batch["labels"]))
+        labels = batch["labels"]
+        if self.cross_entropy == "chunked":
+            loss = self(batch["input_ids"], batch.get("document_ids"), labels), (labels != IGNORE_INDEX).sum()
+        else:
+            loss = self.compute_loss(self(batch["input_ids"], batch.get("document_ids")), labels)
+        return token_mean(self, *loss)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Model FLOPs of training on one token, what the ``Throughput`` callback's MFU counts (see ``LlamaConfig``)."""

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llama_module.model import Llama
+from titan_strategy.parallelize.tensor_parallel import VocabularyParallelOutput
 from titan_strategy.plan import (
     ContextParallelPlan,
     ParallelPlan,
@@ -36,8 +37,10 @@ def llama_tp_styles(sequence_parallel: bool, loss_parallel: bool) -> dict[str, P
     residual = Shard(1) if sequence_parallel else Replicate()
     styles: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-        "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        # Given labels the output projection returns the loss, split over the vocabulary whatever loss_parallel says.
+        "output": VocabularyParallelOutput(input_layouts=residual,
+                                           output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                           use_local_output=not loss_parallel),
         "layers.*.attention.wq": ColwiseParallel(),
         "layers.*.attention.wk": ColwiseParallel(),
         "layers.*.attention.wv": ColwiseParallel(),
@@ -68,14 +71,20 @@ def _document_ids(batch: Any) -> dict[str, Tensor]:
     return {"document_ids": batch["document_ids"]}
 
 
-def llama_plan(model: Llama, log_loss: Callable[[str, Tensor], None] | None = None) -> ParallelPlan:
+def _labels(batch: Any) -> dict[str, Tensor]:
+    return {"labels": batch["labels"]}
+
+
+def llama_plan(model: Llama, log_loss: Callable[[str, Tensor], None] | None = None,
+               labels_to_last_stage: bool = False) -> ParallelPlan:
     """FSDP units in forward order: the embedding, each block, then final norm and output together.
 
     Norm and output form one unit because they run back to back and the norm alone is tiny. Pipeline
     stages cut the blocks into runs; the embedding rides with the first, norm and output with the last.
     ``log_loss`` is how the LightningModule logs a stage's loss when the pipeline schedule runs its steps.
     Under the block-causal mask every stage builds it from the microbatch's ``document_ids``, which every CP
-    rank keeps whole.
+    rank keeps whole. ``labels_to_last_stage``: the module's loss is the model's own (``Llama(..., labels=)``),
+    so each microbatch's labels reach the stages' forward.
     """
     # Declared for the whole model: the strategy keeps, per pipeline stage, the units that stage holds.
     embedding, head = ("tok_embeddings",), ("norm", "output")
@@ -90,7 +99,8 @@ def llama_plan(model: Llama, log_loss: Callable[[str, Tensor], None] | None = No
     )
     documents = model.documents.attention_mask == "block_causal"
     pipeline = PipelinePlan(first_stage=embedding, last_stage=head, log_loss=log_loss, boundary_width=config.dim,
-                            **({"stage_inputs": _document_ids} if documents else {}))
+                            **({"stage_inputs": _document_ids} if documents else {}),
+                            **({"loss_inputs": _labels} if labels_to_last_stage else {}))
     # Attention is the one place tokens meet; RoPE positions and the mask follow the tokens' window indices.
     context_parallel = ContextParallelPlan(attention="layers.*.attention.sdpa", buffers={"documents.token_index": 0},
                                            whole_batch={"document_ids": 1} if documents else {})

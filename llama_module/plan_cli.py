@@ -15,6 +15,7 @@ import yaml
 
 from llama_module.args import LlamaConfig, get_flavor
 from titan_strategy.config import PLUGIN_ARGUMENTS, TitanConfig
+from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
 from titan_strategy.planner.estimate import Job, Layout
 from titan_strategy.planner.hardware import GPU, GPUS, get_gpu
 from titan_strategy.planner.report import format_plans, save_memory_png
@@ -74,7 +75,8 @@ def training_layout(config: dict[str, Any], gpu: GPU) -> tuple[LlamaConfig, Layo
     if not isinstance(per_node, int):
         raise PlanError(f"trainer.devices={per_node!r}: the check needs a number of devices.")
     gpus = per_node * (trainer.get("num_nodes") or 1)
-    shape = _config_of((config.get("model") or {}).get("model", "debug"))
+    model = config.get("model") or {}
+    shape = _config_of(model.get("model", "debug"))
     strategy = _strategy_config(config)
     layout = _layout_of_config(strategy, gpus, shape.n_layers)
     data = config.get("data") or {}
@@ -82,7 +84,9 @@ def training_layout(config: dict[str, Any], gpu: GPU) -> tuple[LlamaConfig, Layo
     job = Job(gpus=gpus, gpus_per_node=per_node, gpu=gpu, seq_len=seq_len,
               global_batch_tokens=seq_len * batch_size * layout.dp_replicate * layout.dp_shard,
               compiled_blocks=strategy.compile.blocks, compiled_loss=strategy.compile.loss,
-              async_tp=strategy.tensor_parallel.async_tp)
+              async_tp=strategy.tensor_parallel.async_tp,
+              loss_chunk_tokens=model.get("loss_chunk_tokens", DEFAULT_CHUNK_TOKENS)
+              if model.get("cross_entropy", "chunked") == "chunked" else None)
     return shape, layout, job
 
 
@@ -98,7 +102,7 @@ def _plan(args: argparse.Namespace) -> int:
         else args.model
     job = Job(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu=get_gpu(args.gpu, args.gpu_memory),
               seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens, compiled_blocks=not args.eager,
-              compiled_loss=not args.eager, async_tp=args.async_tp)
+              compiled_loss=not args.eager, async_tp=args.async_tp, loss_chunk_tokens=DEFAULT_CHUNK_TOKENS)
     plans = plan_layouts(_config_of(model), job, top=args.top)
     print(format_plans(plans, job, args.save_window_s))
     if args.png is not None:

@@ -170,11 +170,13 @@ def _launches_share_one_import(test_env: dict[str, str], tmp_path_factory: pytes
 def reference_run(tmp_path_factory: pytest.TempPathFactory,
                   test_env: dict[str, str]) -> Callable[[RunSpec], dict[str, Any]]:
     """``reference_run(spec)``: the record of ``spec`` run in one process, launched once per distinct spec
-    (its canonical JSON) in the session, however many tests compare with it."""
+    (its canonical JSON) in the session, however many tests compare with it. Its loss is the plain one (the
+    logits, then the cross-entropy), so every parallel run of the chunked loss is checked against that too."""
     records: dict[str, dict[str, Any]] = {}
 
     def run(spec: RunSpec) -> dict[str, Any]:
-        key = dataclasses.replace(spec, devices=1).to_json()
+        spec = dataclasses.replace(spec, devices=1, cross_entropy="logits")
+        key = spec.to_json()
         if key not in records:
             records[key] = launch(1, spec, tmp_path_factory.mktemp("reference"), test_env)[0]
         return records[key]

@@ -40,6 +40,10 @@ class RunSpec:
     adamw: str = "auto"
     attention_kernel: str = "sdpa"
     attention_mask: str = "causal"  # LlamaModule's
+    # LlamaModule's; the reference_run fixture's single process always takes "logits", so every parity test also
+    # checks the chunked loss (in several chunks, the last one short) against the plain one
+    cross_entropy: str = "chunked"
+    loss_chunk_tokens: int = 48
     # AffineSequences; TextDataModule's offline corpus; or AffineSequences through a user's stateful stream that
     # keeps a per-rank position (train_worker.RankStream, data parallelism only)
     data: Literal["affine", "text", "rank_stream"] = "affine"

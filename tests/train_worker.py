@@ -431,7 +431,10 @@ def main(spec: RunSpec, out_dir: Path) -> None:
     module_cls = SelfShardedLlama if spec.self_sharded else \
         DefaultPipelineLoss if spec.default_pipeline_loss else LlamaModule
     model_args = {"lr": spec.lr, "warmup_steps": 2, "decay_steps": 100, "adamw": spec.adamw,
-                  "attention_kernel": spec.attention_kernel, "attention_mask": spec.attention_mask}
+                  "attention_kernel": spec.attention_kernel, "attention_mask": spec.attention_mask,
+                  # the strategy's default pipeline loss takes the last stage's logits
+                  "cross_entropy": "logits" if spec.default_pipeline_loss else spec.cross_entropy,
+                  "loss_chunk_tokens": spec.loss_chunk_tokens}
     if spec.data == "text":
         model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "vocab_size": 8448}), **model_args)
         data = TextDataModule(source="offline", seq_len=32, batch_size=spec.batch_size, val_batches=0)

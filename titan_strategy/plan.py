@@ -60,6 +60,9 @@ class PipelinePlan:
         split_batch: ``batch -> (first stage input, loss target)``.
         stage_inputs: ``batch -> {keyword: tensor}``, what every stage's forward takes besides its input (such
             as the document ids an attention mask is built from); each tensor is split into microbatches on dim 0.
+        loss_inputs: ``batch -> {keyword: tensor}``, more of the same for training and evaluation only, not
+            prediction: what a last stage that computes its loss itself takes (the labels of a fused output
+            projection and cross-entropy); its output is then what ``pipeline_loss`` gets.
         log_loss: ``(stage, loss) -> None``, how the module logs the loss of a step (``stage`` is "train", "val"
             or "test"). The schedule runs in place of the module's ``*_step``, so the module says here what its
             steps would have logged; PP refuses a plan without it.
@@ -71,6 +74,7 @@ class PipelinePlan:
     last_stage: tuple[str, ...]
     split_batch: Callable[[Any], tuple[Tensor, Tensor | None]] = input_ids_and_labels
     stage_inputs: Callable[[Any], dict[str, Tensor]] = lambda batch: {}
+    loss_inputs: Callable[[Any], dict[str, Tensor]] = lambda batch: {}
     log_loss: Callable[[str, Tensor], None] | None = None
     boundary_width: int | None = None
 

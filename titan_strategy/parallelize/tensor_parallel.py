@@ -13,13 +13,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
 from titan_strategy.knobs import knob
 from titan_strategy.plan import TensorParallelPlan
 
-__all__ = ["TensorParallelConfig", "apply_tp", "as_local_loss", "check_sequence_length", "check_tp_plan",
-           "logging_local_values", "loss_parallel_context"]
+__all__ = ["TensorParallelConfig", "VocabularyParallelOutput", "apply_tp", "as_local_loss", "check_sequence_length",
+           "check_tp_plan", "logging_local_values", "loss_parallel_context"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,19 @@ class TensorParallelConfig:
         if self.async_tp and device.type != "cuda":
             raise ValueError(f"async_tensor_parallel=True runs on CUDA only (symmetric memory), not on "
                              f"{device.type!r}; set async_tensor_parallel=False.")
+
+
+class VocabularyParallelOutput(ColwiseParallel):
+    """``ColwiseParallel`` for an output projection that may return its own loss instead of logits (as
+    ``linear_cross_entropy`` does): the weight is split on the vocabulary as ColwiseParallel splits it; logits leave
+    as ColwiseParallel's would, a loss (a plain tensor, already whole on every rank) as it is."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: DeviceMesh) -> Any:
+        if not isinstance(outputs, DTensor):
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 def check_tp_plan(plan: TensorParallelPlan | None, tp: int, *, loss_parallel: bool) -> None:

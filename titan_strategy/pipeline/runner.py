@@ -245,7 +245,7 @@ class PipelineRunner:
         args = (inputs,) if self._holds_first else ()
         losses: list[Tensor] = []
         # The schedule splits keyword inputs into microbatches and hands them to every stage's forward.
-        self._schedule.step(*args, **self._plan.stage_inputs(batch), **self._keep_no_outputs,
+        self._schedule.step(*args, **self._stage_inputs(batch, loss=True), **self._keep_no_outputs,
                             **({"target": target, "losses": losses} if self._holds_last else {}))
         self._set_aside = [(p, p.grad) for p in self._parameters if p.grad is not None]
         for param, _ in self._set_aside:
@@ -267,7 +267,7 @@ class PipelineRunner:
         self._enter_evaluation()
         inputs, target = self._split(batch)
         self._loss_scale = 1.0 / self.layout.microbatches
-        outputs = self._forward_only.run(inputs if self._holds_first else None, self._plan.stage_inputs(batch))
+        outputs = self._forward_only.run(inputs if self._holds_first else None, self._stage_inputs(batch, loss=True))
         targets = target.tensor_split(self.layout.microbatches) if self._holds_last else []
         for output, microbatch_target in zip(outputs, targets):
             self._scaled_loss(output, microbatch_target)
@@ -278,9 +278,12 @@ class PipelineRunner:
         """Forward only; returns the last stage's output for the batch, on every pp rank."""
         self._enter_evaluation()
         inputs, _ = self._split(batch)
-        outputs = self._forward_only.run(inputs if self._holds_first else None, self._plan.stage_inputs(batch))
+        outputs = self._forward_only.run(inputs if self._holds_first else None, self._stage_inputs(batch, loss=False))
         merged = torch.cat([as_local_loss(out) for out in outputs]) if self._holds_last else None
         return self._broadcast_output(merged)
+
+    def _stage_inputs(self, batch: Any, *, loss: bool) -> dict[str, Tensor]:
+        return {**self._plan.stage_inputs(batch), **(self._plan.loss_inputs(batch) if loss else {})}
 
     def _split(self, batch: Any) -> tuple[Tensor, Tensor | None]:
         inputs, target = self._plan.split_batch(batch)

@@ -151,6 +151,8 @@ class Job:
     ``compiled_blocks``: each block is compiled (TitanStrategy's ``compile``), which keeps fewer
     tensors for backward. ``compiled_loss``: the loss is compiled (``compile_loss``), so fp32 logits never
     materialize. ``async_tp``: TP's collectives overlap the matmuls (``async_tensor_parallel``).
+    ``loss_chunk_tokens``: the output projection and the loss run together this many tokens at a time
+    (``LlamaModule(cross_entropy="chunked")``), so only a chunk's logits exist; None: the whole logits do.
     """
 
     gpus: int
@@ -161,6 +163,7 @@ class Job:
     compiled_blocks: bool = True
     compiled_loss: bool = True
     async_tp: bool = False
+    loss_chunk_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +227,16 @@ class Estimate:
     @property
     def step_s(self) -> float:
         return self.time["step"]
+
+
+def _logits_bytes(shape: ModelShape, layout: Layout, job: Job, microbatch_tokens: float) -> float:
+    """What the loss of one microbatch adds on the last stage: its logits, with their gradient (and fp32 copies
+    where the loss is not compiled); chunked, those of one chunk only, and the output weight's bf16 gradient, which
+    the chunked loss makes in forward."""
+    vocab = shape.vocab_size / layout.tp
+    tokens = microbatch_tokens if job.loss_chunk_tokens is None else min(job.loss_chunk_tokens, microbatch_tokens)
+    weight_gradient = 0.0 if job.loss_chunk_tokens is None else vocab * shape.dim * _BF16
+    return tokens * vocab * LOGIT_BYTES[job.compiled_loss] + weight_gradient
 
 
 def _in_flight_microbatches(layout: Layout, pp_rank: int) -> float:
@@ -353,7 +366,7 @@ def _memory(shape: ModelShape, layout: Layout, job: Job, pp_rank: int) -> dict[s
     activations = layers * in_flight * (microbatch_tokens * saved_per_token(layout.ac) + rope_copy)
     # Under full AC, backward recomputes one block's whole activations at a time, once the logits are gone.
     recompute_window = microbatch_tokens * saved_per_token("none") if layout.ac == "full" else 0.0
-    logits = microbatch_tokens * shape.vocab_size / layout.tp * LOGIT_BYTES[job.compiled_loss] if last else 0.0
+    logits = _logits_bytes(shape, layout, job, microbatch_tokens) if last else 0.0
     # A stage boundary carries the residual stream, sequence-sharded over TP.
     receive_buffers = receives * layout.microbatches * microbatch_tokens / layout.tp * shape.dim * _BF16
     return {
