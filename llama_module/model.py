@@ -235,8 +235,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, attention_kernel)
                                      for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
-        self.output: OutputProjection | None = OutputProjection(config.dim, config.vocab_size,
-                                                                         loss_chunk_tokens)
+        self.output: OutputProjection | None = OutputProjection(config.dim, config.vocab_size, loss_chunk_tokens)
         self.rope = RotaryTable(config)
         self.documents = DocumentMasking(config.max_seq_len, attention_mask, attention_kernel, rope_positions)
 

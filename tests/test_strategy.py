@@ -150,7 +150,7 @@ def test_a_single_device_trains_without_fsdp_under_autocast(tmp_path: Path) -> N
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             pl_module.model.output.register_forward_hook(lambda _, __, out: logits_dtypes.append(out.dtype))
 
-    module = LlamaModule(model=TINY, warmup_steps=1, decay_steps=10)
+    module = LlamaModule(model=TINY, warmup_steps=1, decay_steps=10, cross_entropy="logits")  # the output's logits
     trainer = _trainer(tmp_path, TitanStrategy(), devices=1, precision="bf16-mixed", max_steps=2, logger=False,
                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                        callbacks=[Record()])
