@@ -84,6 +84,12 @@ class LlamaModule(L.LightningModule):
             raise ValueError(f"cross_entropy={cross_entropy!r} must be one of {list(CROSS_ENTROPY)}.")
         if loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 1.")
+        overridden = [name for name in ("compute_loss", "pipeline_loss")
+                      if getattr(type(self), name) is not getattr(LlamaModule, name)]
+        if cross_entropy == "chunked" and overridden:
+            raise ValueError(f"{type(self).__name__} overrides {' and '.join(overridden)}, which "
+                             "cross_entropy='chunked' never calls on logits (the output projection computes the loss "
+                             "itself). Pass cross_entropy='logits' to train on your loss.")
         if adamw not in ADAMW_KERNELS:
             raise ValueError(f"adamw={adamw!r} must be one of {list(ADAMW_KERNELS)}.")
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:

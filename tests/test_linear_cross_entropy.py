@@ -71,6 +71,18 @@ def test_bad_arguments_name_the_value() -> None:
         LlamaModule(model=TINY, cross_entropy="fused")
 
 
+class _SmoothedLoss(LlamaModule):
+    def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), label_smoothing=0.1, reduction="sum")
+        return loss, (labels != -100).sum()
+
+
+def test_a_module_with_its_own_loss_is_told_to_take_the_logits() -> None:
+    with pytest.raises(ValueError, match="_SmoothedLoss overrides compute_loss, .* cross_entropy='logits'"):
+        _SmoothedLoss(model=TINY)
+    _SmoothedLoss(model=TINY, cross_entropy="logits")
+
+
 def test_the_module_trains_on_the_same_loss_either_way() -> None:
     torch.manual_seed(0)
     chunked = LlamaModule(model=TINY, loss_chunk_tokens=7)

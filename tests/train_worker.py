@@ -138,9 +138,12 @@ class SelfShardedLlama(LlamaModule):
 
 
 class DefaultPipelineLoss(LlamaModule):
-    """Leaves the pipeline loss to TitanStrategy's default (token cross-entropy)."""
+    """Leaves the pipeline loss to TitanStrategy's default (token cross-entropy of the last stage's logits)."""
 
     pipeline_loss = None  # type: ignore[assignment]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs, cross_entropy="logits")
 
 
 def _lightning_callbacks(out_dir: Path) -> list[Callback]:
@@ -432,8 +435,8 @@ def main(spec: RunSpec, out_dir: Path) -> None:
         DefaultPipelineLoss if spec.default_pipeline_loss else LlamaModule
     model_args = {"lr": spec.lr, "warmup_steps": 2, "decay_steps": 100, "adamw": spec.adamw,
                   "attention_kernel": spec.attention_kernel, "attention_mask": spec.attention_mask,
-                  # the strategy's default pipeline loss takes the last stage's logits
-                  "cross_entropy": "logits" if spec.default_pipeline_loss else spec.cross_entropy,
+                  # the strategy's default pipeline loss takes the last stage's logits (the module says so itself)
+                  **({} if spec.default_pipeline_loss else {"cross_entropy": spec.cross_entropy}),
                   "loss_chunk_tokens": spec.loss_chunk_tokens}
     if spec.data == "text":
         model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "vocab_size": 8448}), **model_args)
