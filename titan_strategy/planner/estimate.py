@@ -231,12 +231,12 @@ class Estimate:
 
 def _logits_bytes(shape: ModelShape, layout: Layout, job: Job, microbatch_tokens: float) -> float:
     """What the loss of one microbatch adds on the last stage: its logits, with their gradient (and fp32 copies
-    where the loss is not compiled); chunked, those of one chunk only, and the output weight's bf16 gradient, which
-    the chunked loss makes in forward."""
+    where the loss is not compiled); chunked, those of one chunk only (its math is always compiled on CUDA), and the
+    output weight's bf16 gradient, which the chunked loss makes in forward."""
     vocab = shape.vocab_size / layout.tp
-    tokens = microbatch_tokens if job.loss_chunk_tokens is None else min(job.loss_chunk_tokens, microbatch_tokens)
-    weight_gradient = 0.0 if job.loss_chunk_tokens is None else vocab * shape.dim * _BF16
-    return tokens * vocab * LOGIT_BYTES[job.compiled_loss] + weight_gradient
+    if job.loss_chunk_tokens is None:
+        return microbatch_tokens * vocab * LOGIT_BYTES[job.compiled_loss]
+    return min(job.loss_chunk_tokens, microbatch_tokens) * vocab * LOGIT_BYTES[True] + vocab * shape.dim * _BF16
 
 
 def _in_flight_microbatches(layout: Layout, pp_rank: int) -> float:
