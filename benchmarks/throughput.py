@@ -56,6 +56,7 @@ from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
 from titan_strategy.master_weights import hold_master_weights
 from titan_strategy.mesh import build_mesh
 from titan_strategy.parallelize import parallelize
+from titan_strategy.parallelize.compile import apply_compile_loss
 
 SHAPES = {"1B": {"flavor": "1B", "n_layers": None, "batch_size": 2},
           "8B-width": {"flavor": "8B", "n_layers": 16, "batch_size": 1}}
@@ -170,8 +171,10 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
     runtime = parallelize(module.parallel_plan(), build_mesh(dims, "cuda"), dims, config, device,
                           param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = runtime.parts[0]
+    assert model is module.model, "one device, no pipeline: the module's loss runs the parallelized model"
     assert not runtime.sharded, "one GPU: nothing is sharded, as in the strategy's run"
-    loss_fn = torch.compile(module.compute_loss) if row["compile_loss"] else module.compute_loss
+    if row["compile_loss"]:
+        apply_compile_loss(module)
     schedule = module.configure_optimizers()  # the module's AdamW kernel and LR schedule
     optimizer, scheduler = schedule["optimizer"], schedule["lr_scheduler"]["scheduler"]
     # As the strategy does: with TritonAdamW, bf16 weights and fp32 masters; with torch's AdamW, autocast.
@@ -181,11 +184,7 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
     for step, batch in enumerate(_loader(row, module.config.vocab_size), start=1):
         batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            if module.cross_entropy == "chunked":  # the model's own fused projection and loss
-                loss_sum = model(batch["input_ids"], batch.get("document_ids"), batch["labels"])
-                num_tokens = (batch["labels"] != -100).sum()
-            else:
-                loss_sum, num_tokens = loss_fn(model(batch["input_ids"], batch.get("document_ids")), batch["labels"])
+            loss_sum, num_tokens = module.token_loss(batch)  # the same loss as the Lightning run
         loss = loss_sum / num_tokens.clamp(min=1)
         loss.backward()
         clip_grad_norm_(list(model.parameters()), max_norm=1.0)

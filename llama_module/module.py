@@ -20,7 +20,13 @@ from titan_strategy.distributed import simulating_ranks
 from titan_strategy.kernels import ADAMW_KERNELS, build_adamw, check_flash_attention4
 from titan_strategy.kernels.flash_attention4 import FA4_MIN_CAPABILITY, flash_attention4_installed
 from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
-from titan_strategy.token_loss import IGNORE_INDEX, TokenLoss, is_token_weighted, token_cross_entropy, token_mean
+from titan_strategy.token_loss import (
+    TokenLoss,
+    count_labelled,
+    is_token_weighted,
+    token_cross_entropy,
+    token_mean,
+)
 
 __all__ = ["LlamaModule"]
 
@@ -192,17 +198,19 @@ class LlamaModule(L.LightningModule):
         """TitanStrategy's hook under pipeline parallelism: the loss of one microbatch, from the last stage's output
         (with ``cross_entropy="chunked"`` that output already is the loss sum)."""
         if self.cross_entropy == "chunked":
-            return output, (target != IGNORE_INDEX).sum()
+            return output, count_labelled(target)
         return self.compute_loss(output, target)
+
+    def token_loss(self, batch: Batch) -> TokenLoss:
+        """The batch's cross-entropy summed over its labelled tokens, and their count, as ``cross_entropy`` says."""
+        labels = batch["labels"]
+        if self.cross_entropy == "logits":
+            return self.compute_loss(self(batch["input_ids"], batch.get("document_ids")), labels)
+        return self(batch["input_ids"], batch.get("document_ids"), labels), count_labelled(labels)
 
     def _mean_loss(self, batch: Batch) -> Tensor:
         # The mean over every labelled token of the global batch (and, in training, of the accumulation window).
-        labels = batch["labels"]
-        if self.cross_entropy == "chunked":
-            loss = self(batch["input_ids"], batch.get("document_ids"), labels), (labels != IGNORE_INDEX).sum()
-        else:
-            loss = self.compute_loss(self(batch["input_ids"], batch.get("document_ids")), labels)
-        return token_mean(self, *loss)
+        return token_mean(self, *self.token_loss(batch))
 
     def flops_per_token(self, seq_len: int) -> int:
         """Model FLOPs of training on one token, what the ``Throughput`` callback's MFU counts (see ``LlamaConfig``)."""

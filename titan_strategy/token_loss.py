@@ -35,7 +35,8 @@ from titan_strategy.parallelize.tensor_parallel import as_local_loss
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["IGNORE_INDEX", "TokenLoss", "TokenWeighting", "is_token_weighted", "token_cross_entropy", "token_mean"]
+__all__ = ["IGNORE_INDEX", "TokenLoss", "TokenWeighting", "count_labelled", "is_token_weighted", "token_cross_entropy",
+           "token_mean"]
 
 IGNORE_INDEX = -100
 TokenLoss = tuple[Tensor, Tensor]
@@ -47,7 +48,12 @@ def token_cross_entropy(output: Tensor, target: Tensor) -> TokenLoss:
     -100 are ignored), and their count."""
     loss_sum = F.cross_entropy(output.flatten(0, 1).float(), target.flatten(0, 1), ignore_index=IGNORE_INDEX,
                                reduction="sum")
-    return loss_sum, (target != IGNORE_INDEX).sum()
+    return loss_sum, count_labelled(target)
+
+
+def count_labelled(labels: Tensor) -> Tensor:
+    """How many tokens have a label (are not -100): the count a token sum is averaged over."""
+    return (labels != IGNORE_INDEX).sum()
 
 
 def token_mean(module: pl.LightningModule, loss_sum: Tensor, num_tokens: Tensor) -> Tensor:
