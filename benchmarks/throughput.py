@@ -140,7 +140,7 @@ class StepTimer(Callback):
 
 
 def _strategy_knobs(row: dict[str, Any]) -> dict[str, Any]:
-    return {"compile": row["compile"], "compile_loss": row["compile_loss"],
+    return {"compile": row["compile"], "compile_loss": row["compile_loss"], "cuda_graphs": row["cuda_graphs"],
             "activation_checkpointing": row["ac"], "float8": row["float8"]}
 
 
@@ -264,7 +264,8 @@ def run_row(row: dict[str, Any]) -> dict[str, Any]:
 def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     common = {"seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "profile": args.profile,
               "attention_kernel": args.attention_kernel, "attention_mask": args.attention_mask, "adamw": args.adamw,
-              "cross_entropy": args.cross_entropy, "loss_chunk_tokens": args.loss_chunk_tokens}
+              "cross_entropy": args.cross_entropy, "loss_chunk_tokens": args.loss_chunk_tokens,
+              "cuda_graphs": args.cuda_graphs}
     if args.matrix is None:
         shape = {"flavor": args.flavor, "n_layers": args.n_layers, "batch_size": args.batch_size}
         return [{**shape, **common, "compile": args.compile, "compile_loss": args.compile_loss,
@@ -277,9 +278,9 @@ def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = ["| shape | attention | AdamW | cross-entropy | compile | compiled loss | AC | float8 | tokens/s | "
-             "MFU (attended) | peak alloc / reserved GiB | plain loop tokens/s | Lightning / plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | attention | AdamW | cross-entropy | compile | compiled loss | CUDA graphs | AC | float8 | "
+             "tokens/s | MFU (attended) | peak alloc / reserved GiB | plain loop tokens/s | Lightning / plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         run, plain = r["lightning"], r.get("plain")
         shape = r["flavor"] if r["n_layers"] is None else f"{r['flavor']} width x {r['n_layers']} layers"
@@ -291,7 +292,7 @@ def _table(results: list[dict[str, Any]]) -> str:
         attention = r["attention_kernel"] + (", block-causal" if r["attention_mask"] == "block_causal" else "")
         loss = r["cross_entropy"] + (f" ({r['loss_chunk_tokens']})" if r["cross_entropy"] == "chunked" else "")
         lines.append(f"| {shape} | {attention} | {r['adamw']} | {loss} | {'yes' if r['compile'] else 'no'} | "
-                     f"{'yes' if r['compile_loss'] else 'no'} | "
+                     f"{'yes' if r['compile_loss'] else 'no'} | {'yes' if r['cuda_graphs'] else 'no'} | "
                      f"{r['ac']} | {r['float8']} | {speed} | {memory} | {reference} | {ratio} |")
     return "\n".join(lines)
 
@@ -317,6 +318,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     parser.add_argument("--compile-loss", action="store_true", help="torch.compile the loss")
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay the model's forward and backward as "
+                        "CUDA graphs (TitanStrategy(cuda_graphs=True); the plain loop too)")
     parser.add_argument("--activation-checkpointing", default="none",
                         choices=["none", "full", "selective_op", "selective_layer"])
     parser.add_argument("--float8", default="none", choices=["none", "tensorwise", "rowwise"])

@@ -69,8 +69,8 @@ class LlamaModule(L.LightningModule):
             ``titan_strategy.kernels.linear_cross_entropy``; vocabulary-parallel under TP) or ``logits`` (the
             logits, then ``compute_loss`` on them, as a module written for another strategy would). Prediction
             always returns logits.
-        loss_chunk_tokens: tokens per chunk of the ``chunked`` cross-entropy (2048: 0.5 GB of bf16 logits at a 128K
-            vocabulary).
+        loss_chunk_tokens: tokens per chunk of the ``chunked`` cross-entropy (1024: 0.25 GB of bf16 logits at a
+            128K vocabulary).
     """
 
     def __init__(self, model: str | LlamaConfig | dict[str, Any] = "debug", vocab_size: int | None = None,

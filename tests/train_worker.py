@@ -473,6 +473,9 @@ def main(spec: RunSpec, out_dir: Path) -> None:
         result["parameter_digest"] = digest.hexdigest()
     if memory_probe is not None:
         result["peak_memory_bytes"] = memory_probe.peak_bytes
+    captured = getattr(getattr(getattr(model, "model", None), "forward", None), "captured", None)
+    if captured is not None:  # cuda_graphs=True: how many training forwards replayed the captured graphs
+        result["graph_replays"] = captured.generation
     if throughput is not None:
         result["throughput"] = [dataclasses.asdict(window) | window.metrics() for window in throughput.windows]
     if spec.lightning_callbacks:

@@ -100,6 +100,7 @@ class TitanConfig:
     def check_device(self, device: torch.device) -> None:
         """Refuse what cannot run on ``device``, before any process starts (the checkpoint IO checks its mode)."""
         self.tensor_parallel.check_device(device)
+        self.compile.check_device(device)
         self.float8.check_device(device)
 
 

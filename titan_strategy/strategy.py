@@ -83,6 +83,7 @@ class TitanStrategy(ParallelStrategy):
         async_tensor_parallel: overlap TP communication with matmuls (AsyncTP); CUDA and compile only.
         compile: ``torch.compile`` each repeated block of the model.
         compile_loss: ``torch.compile`` the module's ``compute_loss(output, target)`` (no fp32 logits in memory).
+        cuda_graphs: replay the model's training forward and backward as CUDA graphs once warm (one device).
         activation_checkpointing: what backward recomputes instead of keeping: "none"; "full" (each block keeps
             its input); "selective_op" (keeps attention and every other matmul output); "selective_layer"
             (every ``activation_checkpointing_every``-th block is fully checkpointed).
@@ -121,7 +122,7 @@ class TitanStrategy(ParallelStrategy):
         pipeline_layers_per_stage: int | None = None, pipeline_split_points: list[int] | None = None,
         fsdp_reshard_after_forward: ReshardPolicy = "default",
         sequence_parallel: bool = True, loss_parallel: bool = True, async_tensor_parallel: bool = False,
-        compile: bool = False, compile_loss: bool = False, float8: Float8Recipe = "none",
+        compile: bool = False, compile_loss: bool = False, cuda_graphs: bool = False, float8: Float8Recipe = "none",
         activation_checkpointing: ACMode = "none", activation_checkpointing_every: int = 2,
         process_group_backend: str | None = None, timeout_seconds: float = 1800.0, flight_recorder: bool = False,
         initial_weights: str | None = None, checkpoint_mode: CheckpointMode = "sync", auto_resume: bool = False,

@@ -27,9 +27,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 __all__ = ["DEFAULT_CHUNK_TOKENS", "linear_cross_entropy"]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default, as titan_strategy.token_loss's
-DEFAULT_CHUNK_TOKENS = 2048
-"""Tokens per chunk: 0.5 GB of bf16 logits at a 128K vocabulary. At the 1B shape on an H100, 2048 and 4096 train
-equally fast (within 0.3% of the plain loss) and 2048 peaks 1.5 GiB lower (benchmarks/RESULTS.md)."""
+DEFAULT_CHUNK_TOKENS = 1024
+"""Tokens per chunk: 0.25 GB of bf16 logits at a 128K vocabulary. At the 1B shape on an H100, 1024, 2048 and 4096
+train equally fast (within 0.3% of the plain loss and of each other, same lease) and 1024 peaks lowest: 39.7 GiB,
+against 40.4 and 41.9 (benchmarks/RESULTS.md)."""
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor,

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from titan_strategy.knobs import knob
+from titan_strategy.mesh import ParallelDims
+from titan_strategy.plan import PlannedModule
 
 __all__ = ["CompileConfig", "apply_compile", "apply_compile_loss"]
 
@@ -25,6 +27,26 @@ class CompileConfig:
     loss: bool = knob("compile_loss", False)
     """The module's ``compute_loss(output, target)``: the fp32 upcast of the logits fuses into the cross-entropy
     instead of materializing full-vocabulary fp32 logits."""
+    cuda_graphs: bool = knob("cuda_graphs", False)
+    """The model's training forward and backward replayed as CUDA graphs once warm (``cuda_graph.py``): one
+    device, CUDA only; pipeline, tensor, context and data parallelism are refused."""
+
+    def check_device(self, device: torch.device) -> None:
+        if self.cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True replays CUDA graphs, but this run is on {device.type!r}; train on "
+                             "a GPU, or set cuda_graphs=False.")
+
+    def check_layout(self, dims: ParallelDims) -> None:
+        """CUDA graphs are captured for a model that no collective touches (one device)."""
+        if not self.cuda_graphs:
+            return
+        layout = {"pipeline_parallel_size": dims.pp, "tensor_parallel_size": dims.tp,
+                  "context_parallel_size": dims.cp, "data-parallel ranks": dims.batch_size}
+        beyond_one = {name: size for name, size in layout.items() if size > 1}
+        if beyond_one:
+            raise ValueError(f"cuda_graphs=True graphs a model on one device, but this layout has {beyond_one}: "
+                             "under FSDP, TP and CP the forward's collectives and resharding are not captured yet, "
+                             "and pipeline schedules are exempt. Set cuda_graphs=False, or train on one device.")
 
     def check_module(self, module: Any) -> None:
         """Refuse a module this config cannot compile, before any process starts."""
@@ -32,6 +54,10 @@ class CompileConfig:
             raise ValueError(f"compile_loss=True compiles the module's compute_loss(output, target), but "
                              f"{type(module).__name__} has none; define it (see LlamaModule) "
                              "or set compile_loss=False.")
+        if self.cuda_graphs and not isinstance(module, PlannedModule):
+            raise ValueError(f"cuda_graphs=True graphs the model a parallel_plan() names, but {type(module).__name__} "
+                             "declares none (it builds its own model in configure_model); add a parallel_plan() "
+                             "(see LlamaModule), or set cuda_graphs=False.")
 
 
 def apply_compile(model: nn.Module, blocks: tuple[str, ...]) -> None:

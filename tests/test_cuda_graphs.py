@@ -1,0 +1,132 @@
+"""CUDA graphs (titan_strategy.parallelize.cuda_graph): the graphed model trains as the eager one does, through
+accumulation windows, a short last batch, evaluation and Lightning; and the knob is refused where it cannot run."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from llama_module import LlamaModule
+from tests.conftest import launch
+from tests.parity import series
+from tests.run_spec import RunSpec
+from tests.train_worker import TINY
+from titan_strategy import TitanStrategy
+from titan_strategy.mesh import ParallelDims
+from titan_strategy.parallelize.cuda_graph import apply_cuda_graphs
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SEQ_LEN = 32
+
+
+def _module(cross_entropy: str = "chunked", seed: int = 0) -> LlamaModule:
+    torch.manual_seed(seed)
+    module = LlamaModule(model=dataclasses.replace(TINY, max_seq_len=SEQ_LEN), cross_entropy=cross_entropy,
+                         loss_chunk_tokens=24, lr=1e-2, warmup_steps=1)
+    module.configure_model()
+    return module
+
+
+def _batches(sizes: list[int], seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for size in sizes:
+        tokens = torch.randint(0, TINY.vocab_size, (size, SEQ_LEN + 1), generator=generator)
+        labels = tokens[:, 1:].clone()
+        labels[0, -5:] = -100
+        batches.append({"input_ids": tokens[:, :-1].cuda(), "labels": labels.cuda()})
+    return batches
+
+
+def _train(module: LlamaModule, batches: list[dict[str, torch.Tensor]], accumulate: int) -> list[float]:
+    """A plain loop: token-mean loss per batch, an optimizer step every ``accumulate`` batches."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    losses = []
+    for index, batch in enumerate(batches, start=1):
+        loss_sum, count = module.token_loss(batch)
+        (loss_sum / count / accumulate).backward()
+        losses.append((loss_sum / count).item())
+        if index % accumulate == 0:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if index == 4:  # evaluation in between runs eagerly and leaves the graphs alone
+            module.eval()
+            with torch.no_grad():
+                module.token_loss(batch)
+            module.train()
+    return losses
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("cross_entropy", ["chunked", "logits"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_graphed_training_matches_eager(cross_entropy: str, accumulate: int) -> None:
+    # 9 full batches, then a short one (another signature: eager), then full ones again (replayed).
+    batches = _batches([2] * 9 + [1] + [2] * 4)
+    eager, graphed = _module(cross_entropy).cuda(), _module(cross_entropy).cuda()
+    forward = apply_cuda_graphs(graphed.model)
+    assert _train(graphed, batches, accumulate) == pytest.approx(_train(eager, batches, accumulate), rel=1e-5)
+    assert forward.captured is not None and forward.captured.generation == 13 - 2  # all full batches after warmup
+    for ours, theirs in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_second_forward_before_backward_and_a_moved_parameter_are_refused() -> None:
+    module = _module().cuda()
+    apply_cuda_graphs(module.model, warmup_steps=1)
+    batch = _batches([2])[0]
+    for _ in range(2):  # eager, then captured
+        loss_sum, _ = module.token_loss(batch)
+        loss_sum.backward()
+    first, _ = module.token_loss(batch)
+    module.token_loss(batch)
+    with pytest.raises(RuntimeError, match="another graphed training forward before this one's backward"):
+        first.backward()
+    module.model.output.weight.data = module.model.output.weight.data.clone()
+    with pytest.raises(RuntimeError, match="now lives elsewhere .* update parameters in place"):
+        module.token_loss(batch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_lightning_trains_the_same_with_cuda_graphs(tmp_path: Path, test_env: dict[str, str]) -> None:
+    # Compiled blocks, bf16 weights with fp32 masters, accumulation windows of 2 batches, clipping, validation
+    # within each epoch, and 22 samples in batches of 4: every sixth batch is a short one (eager), at the end of
+    # each epoch. A hang fails the launch at its timeout.
+    spec = RunSpec(steps=8, batch_size=4, samples=22, accumulate=2, clip=1.0, validate=True, val_every=4,
+                   accelerator="cuda", precision="bf16-mixed", timeout_seconds=120, strategy={"compile": True})
+    eager = launch(1, spec, tmp_path / "eager", test_env, timeout_s=300)[0]
+    graphed = launch(1, replace(spec, strategy={"compile": True, "cuda_graphs": True}), tmp_path / "graphed",
+                     test_env, timeout_s=300)[0]
+    assert graphed["graph_replays"] == 16 - 2 - 2  # 16 batches, 2 of them short, 2 eager warm-ups
+    losses = series(graphed, "train_loss", accumulate=2)
+    assert losses == pytest.approx(series(eager, "train_loss", accumulate=2), rel=1e-3), losses
+    assert graphed["val_losses"] == pytest.approx(eager["val_losses"], rel=1e-3)
+
+
+@pytest.mark.unit
+def test_the_knob_is_refused_where_it_cannot_run() -> None:
+    strategy = TitanStrategy(cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs=True replays CUDA graphs, but this run is on 'cpu'.*"
+                                         "set cuda_graphs=False"):
+        strategy.config.check_device(torch.device("cpu"))
+    for dims, named in ((ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1), "data-parallel ranks"),
+                        (ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1), "tensor_parallel_size"),
+                        (ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2), "pipeline_parallel_size")):
+        with pytest.raises(ValueError, match=f"'{named}': 2.*Set cuda_graphs=False, or train on one device"):
+            strategy.config.compile.check_layout(dims)
+    strategy.config.compile.check_layout(ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1))
+
+    class OwnModel(L.LightningModule):
+        pass
+
+    with pytest.raises(ValueError, match="OwnModel declares none .* set cuda_graphs=False"):
+        strategy.config.check_module(OwnModel())
