@@ -21,35 +21,9 @@ import sys
 # torchtitan v0.2.2 itself, unpacked by build_kit.sh into the git-ignored .tt/ at the repo root.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".tt", "v022"))
 
-os.environ.setdefault("RANK", "0")
-os.environ.setdefault("LOCAL_RANK", "0")
-os.environ.setdefault("WORLD_SIZE", "1")
-os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+from single_process import CPU_SMOKE, skip_cpu_barrier_timeouts  # noqa: E402  (before torchtitan)
 
-if os.environ.get("TT_CPU_SMOKE") == "1":
-    # torchtitan picks device_type at import time (tools/utils.py); make it "cpu".
-    import torch
-    import torch._utils
-
-    torch._utils._get_available_device_type = lambda: "cpu"
-    # DeviceMemoryMonitor needs a few torch.cuda-like calls on torch.cpu
-    import torch.cpu as _tcpu
-
-    class _Props:
-        total_memory = 24 * 1024**3
-
-    for name, fn in {
-        "get_device_name": lambda *a, **k: "cpu",
-        "get_device_properties": lambda *a, **k: _Props(),
-        "reset_peak_memory_stats": lambda *a, **k: None,
-        "empty_cache": lambda *a, **k: None,
-        "memory_stats": lambda *a, **k: {},
-    }.items():
-        if not hasattr(_tcpu, name):
-            setattr(_tcpu, name, fn)
-    _tcpu.memory_stats = lambda *a, **k: {}
+if CPU_SMOKE:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -89,7 +63,7 @@ llama3_args["1B_ours"] = TransformerModelArgs(
     attn_mask_type="causal",
 )
 
-if os.environ.get("TT_CPU_SMOKE") == "1":
+if CPU_SMOKE:
     # tiny model with the full 128256 vocab, for the CPU plumbing check only
     llama3_args["smoke_128k"] = TransformerModelArgs(
         dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128256,
@@ -121,12 +95,8 @@ if os.environ.get("TT_FORCE_FSDP") == "1":
 
 from torchtitan.train import Trainer, main  # noqa: E402
 
-if os.environ.get("TT_CPU_SMOKE") == "1":
-    # set_pg_timeouts() does barrier(device_ids=[torch.cpu.current_device()]) = ['cpu'],
-    # which c10d rejects; harmless to skip on a 1-process CPU run.
-    import torchtitan.distributed.utils as _du
-
-    _du.set_pg_timeouts = lambda *a, **k: None
+if CPU_SMOKE:
+    skip_cpu_barrier_timeouts()
 
 if __name__ == "__main__":
     main(Trainer)

@@ -16,32 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for tt030_cfg
 
-os.environ.setdefault("RANK", "0")
-os.environ.setdefault("LOCAL_RANK", "0")
-os.environ.setdefault("WORLD_SIZE", "1")
-os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-
-if os.environ.get("TT_CPU_SMOKE") == "1":
-    import torch
-    import torch._utils
-    import torch.cpu as _tcpu
-
-    torch._utils._get_available_device_type = lambda: "cpu"
-
-    class _Props:
-        total_memory = 24 * 1024**3
-
-    for _n, _f in {
-        "get_device_name": lambda *a, **k: "cpu",
-        "get_device_properties": lambda *a, **k: _Props(),
-        "reset_peak_memory_stats": lambda *a, **k: None,
-        "empty_cache": lambda *a, **k: None,
-    }.items():
-        if not hasattr(_tcpu, _n):
-            setattr(_tcpu, _n, _f)
-    _tcpu.memory_stats = lambda *a, **k: {}
+from single_process import CPU_SMOKE, skip_cpu_barrier_timeouts  # noqa: E402  (before torchtitan)
 
 if os.environ.get("TT030_SHIM") == "1":
     import dataclasses
@@ -65,11 +40,8 @@ if os.environ.get("TT030_SHIM") == "1":
 import tt030_cfg  # noqa: E402,F401
 from torchtitan.train import main  # noqa: E402
 
-if os.environ.get("TT_CPU_SMOKE") == "1":
-    import torchtitan.distributed.utils as _du
-
-    if hasattr(_du, "set_pg_timeouts"):
-        _du.set_pg_timeouts = lambda *a, **k: None
+if CPU_SMOKE:
+    skip_cpu_barrier_timeouts()
 
 if __name__ == "__main__":
     main()

@@ -6,24 +6,11 @@
 #            TT_EXTRA (extra torchtitan CLI overrides, e.g. "--training.steps 40").
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
-HERE=$PWD/benchmarks/torchtitan_anchor
-KIT=$PWD/.tt  # built by benchmarks/torchtitan_anchor/build_kit.sh
-SITE=/tmp/tt_site
 TIMEOUT=${TT_TIMEOUT:-240}
 VARIANTS=${TT_VARIANTS:-"native fsdp2"}
-
-rm -rf "$SITE"
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$KIT"/wheels/*.whl \
-  || { echo "torchtitan v0.2.2: wheel install failed"; exit 1; }
-export PYTHONPATH=$KIT/v022:$SITE${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export HF_DATASETS_CACHE=/tmp/tt_hf_datasets TORCHINDUCTOR_CACHE_DIR=/tmp/tt_inductor_v022
-export TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
-
-ASSETS=/tmp/tt_assets
-if [ ! -s $ASSETS/tokenizer/tokenizer.json ] || [ ! -s $ASSETS/c4_test/data.json ]; then
-  python3 "$HERE/make_assets.py" $ASSETS || { echo "torchtitan v0.2.2: asset generation failed"; exit 1; }
-fi
+# shellcheck source=setup_kit.sh
+source benchmarks/torchtitan_anchor/setup_kit.sh "torchtitan v0.2.2"
+export PYTHONPATH=$KIT/v022:$SITE${PYTHONPATH:+:$PYTHONPATH} TORCHINDUCTOR_CACHE_DIR=/tmp/tt_inductor_v022
 
 python3 - <<'EOF' || { echo "torchtitan v0.2.2: preflight import failed"; exit 1; }
 import torch, datasets, tyro, torchdata, tokenizers

@@ -11,30 +11,15 @@
 # LMs), fused wqkv, and FSDP2 always applied (even on 1 GPU).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
-HERE=$PWD/benchmarks/torchtitan_anchor
-KIT=$PWD/.tt  # built by benchmarks/torchtitan_anchor/build_kit.sh
 BUDGET=${TT030_BUDGET:-150}
-SITE=/tmp/tt_site           # common deps (tyro, torchdata, datasets, ...) from .tt/wheels
 SITE030=/tmp/tt_site030     # torchtitan 0.3.0 + spmd_types + torch_checkpointing
-
+# shellcheck source=setup_kit.sh
+source benchmarks/torchtitan_anchor/setup_kit.sh "torchtitan 0.3.0"
 rm -rf "$SITE030"
-if [ ! -d "$SITE/tyro" ]; then
-  rm -rf "$SITE"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$KIT"/wheels/*.whl \
-    || { echo "torchtitan 0.3.0: wheel install (common) failed"; exit 1; }
-fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE030" "$KIT"/wheels030/*.whl \
   || { echo "torchtitan 0.3.0: wheel install failed"; exit 1; }
 # 0.3.0 first; tt030_cfg and the common deps after; never the v0.2.2 tree
-export PYTHONPATH=$SITE030:$HERE:$SITE${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export HF_DATASETS_CACHE=/tmp/tt_hf_datasets TORCHINDUCTOR_CACHE_DIR=/tmp/tt_inductor_v030
-export TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
-
-ASSETS=/tmp/tt_assets
-if [ ! -s $ASSETS/tokenizer/tokenizer.json ] || [ ! -s $ASSETS/c4_test/data.json ]; then
-  python3 "$HERE/make_assets.py" $ASSETS || { echo "torchtitan 0.3.0: asset generation failed"; exit 1; }
-fi
+export PYTHONPATH=$SITE030:$HERE:$SITE${PYTHONPATH:+:$PYTHONPATH} TORCHINDUCTOR_CACHE_DIR=/tmp/tt_inductor_v030
 python3 -c "import torch, torchtitan, importlib.metadata as m; print('torch', torch.__version__, '| torchtitan', m.version('torchtitan'), 'from', torchtitan.__file__)"
 
 BASE=(--module tt030_cfg --config llama3_1b_ours
