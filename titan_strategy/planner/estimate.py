@@ -195,7 +195,7 @@ class Estimate:
     Gradients and activations do not peak together: the strategy releases the last step's gradients
     before the forward, and backward frees activations as it makes gradients. So the peak holds the
     larger of the two working sets, besides the weights and optimizer state. Likewise the logits are
-    freed before full AC's recomputation window opens.
+    freed before backward's recomputation window opens.
     """
 
     memory: dict[str, float] = field(default_factory=dict)
@@ -364,8 +364,11 @@ def _memory(shape: ModelShape, layout: Layout, job: Job, pp_rank: int) -> dict[s
 
     in_flight = _in_flight_microbatches(layout, pp_rank)
     activations = layers * in_flight * (microbatch_tokens * saved_per_token(layout.ac) + rope_copy)
-    # Under full AC, backward recomputes one block's whole activations at a time, once the logits are gone.
-    recompute_window = microbatch_tokens * saved_per_token("none") if layout.ac == "full" else 0.0
+    # Backward recomputes what AC dropped of one block at a time, once the logits are gone: a checkpointed block
+    # whole, the cheap rest under selective_op (what shows once a chunked loss leaves no logits peak above it).
+    dropped = {"full": saved_per_token("none"), "selective_layer": saved_per_token("none"),
+               "selective_op": saved_per_token("none") - saved_per_token("selective_op")}
+    recompute_window = microbatch_tokens * dropped.get(layout.ac, 0.0)
     logits = _logits_bytes(shape, layout, job, microbatch_tokens) if last else 0.0
     # A stage boundary carries the residual stream, sequence-sharded over TP.
     receive_buffers = receives * layout.microbatches * microbatch_tokens / layout.tp * shape.dim * _BF16
