@@ -21,24 +21,26 @@ backward, raises instead of training on stale memory.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 __all__ = ["GraphedForward", "apply_cuda_graphs"]
-
-log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 2
 """Eager training forwards of a signature before it is captured: the first compiles, the second runs
 compiled, so nothing is compiled or autotuned while capturing."""
 
 Signature = tuple[Any, ...]
+
+
+def _shapes(args: tuple[Any, ...]) -> str:
+    return ", ".join(str(tuple(a.shape)) if isinstance(a, Tensor) else repr(a) for a in args)
 
 
 def _signature(args: tuple[Any, ...]) -> Signature:
@@ -86,7 +88,8 @@ class GraphedForward:
             if self.seen[signature] <= self.warmup_steps:
                 return self._on_side_stream(self.eager_forward, *args)
             self.captured = _capture(self.eager_forward, self.model, args, signature, self.pool, self.stream)
-            log.info("CUDA graphs: captured the training forward and backward of %s", type(self.model).__name__)
+            rank_zero_info(f"cuda_graphs=True: captured {type(self.model).__name__}'s training forward and backward "
+                           f"for inputs {_shapes(args)}; every later training step of those shapes replays them.")
         elif signature != self.captured.signature:
             return self.eager_forward(*args)
         captured = self.captured
