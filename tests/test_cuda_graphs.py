@@ -24,16 +24,16 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 SEQ_LEN = 32
 
 
-def _module(cross_entropy: str = "chunked", seed: int = 0) -> LlamaModule:
-    torch.manual_seed(seed)
+def _module(cross_entropy: str = "chunked") -> LlamaModule:
+    torch.manual_seed(0)
     module = LlamaModule(model=dataclasses.replace(TINY, max_seq_len=SEQ_LEN), cross_entropy=cross_entropy,
                          loss_chunk_tokens=24, lr=1e-2, warmup_steps=1)
     module.configure_model()
     return module
 
 
-def _batches(sizes: list[int], seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
+def _batches(sizes: list[int]) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
     batches = []
     for size in sizes:
         tokens = torch.randint(0, TINY.vocab_size, (size, SEQ_LEN + 1), generator=generator)
