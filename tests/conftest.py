@@ -101,13 +101,16 @@ def launch(nproc: int, spec: RunSpec, out_dir: Path, env: dict[str, str],
     (tests/fork_launch.py); return each rank's record."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_file = out_dir / "spec.json"
-    spec_file.write_text(dataclasses.replace(spec, devices=nproc).to_json())
+    spec_file.write_text(dataclasses.replace(spec, devices=nproc, stacks_after_s=max(timeout_s - 20, 1)).to_json())
     command = [sys.executable, str(FORK_LAUNCH), str(nproc), str(spec_file), str(out_dir)]
     try:
         if _launch_server is not None and env == _launch_server.env:
             _succeeded(_launch_server.run(command, nproc, spec_file, out_dir, timeout_s), out_dir)
         else:
             run_command(command, env, out_dir, timeout_s)
+    except subprocess.TimeoutExpired:
+        stacks = "".join(f"\n--- {path.stem}:\n{path.read_text()}" for path in sorted(out_dir.glob("rank*.stacks")))
+        raise AssertionError(f"the launch ran past {timeout_s} s; where each rank was:{stacks}") from None
     except AssertionError as failure:
         # Each failed rank's error (the worker writes them), one line each: "rank1: ValueError: ...".
         errors = "".join(f"\n{path.stem}: {path.read_text()}" for path in sorted(out_dir.glob("rank*.error")))

@@ -92,6 +92,9 @@ class RunSpec:
     # raises ENOSPC, as torch's writer does when the disk fills up).
     disk_full: str | None = None
     log_removals: bool = False  # record which complete checkpoints existed at each removal ("removals")
+    # Set by tests.conftest.launch: each rank writes its threads' Python stacks to rank{N}.stacks this long after it
+    # starts, so a launch that times out says where its ranks were.
+    stacks_after_s: float | None = None
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys): equal specs give equal text."""

@@ -12,8 +12,10 @@ that fails writes OUT_DIR/rank{N}.error instead.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
+import faulthandler
 import hashlib
 import json
 import os
@@ -507,11 +509,17 @@ def _report_failure(error: Exception, out_dir: Path, wait_s: float = 20.0) -> No
 
 def run(spec_file: Path, out_dir: Path) -> None:
     """This rank's part of the run ``spec_file`` describes; a failure is reported where the tests read it."""
-    try:
-        main(RunSpec.from_json(spec_file.read_text()), out_dir)
-    except Exception as failure:
-        _report_failure(failure, out_dir)
-        raise
+    spec = RunSpec.from_json(spec_file.read_text())
+    with contextlib.ExitStack() as stack:
+        if spec.stacks_after_s is not None:  # a hang shows where it waits, even inside a C call
+            stacks = stack.enter_context((out_dir / f"rank{os.environ.get('RANK', '0')}.stacks").open("w"))
+            faulthandler.dump_traceback_later(spec.stacks_after_s, file=stacks)
+            stack.callback(faulthandler.cancel_dump_traceback_later)
+        try:
+            main(spec, out_dir)
+        except Exception as failure:
+            _report_failure(failure, out_dir)
+            raise
 
 
 if __name__ == "__main__":
