@@ -199,7 +199,7 @@ class TitanStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self.parallel_dims  # noqa: B018 -- bad degrees fail here, before any process is launched
+        self.config.compile.check_layout(self.parallel_dims)  # bad degrees fail here, before any process starts
         self.config.check_device(self.root_device)
         self.checkpoint_io.check_device(self.root_device)
         if not self.cluster_environment.creates_processes_externally:

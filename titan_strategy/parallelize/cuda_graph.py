@@ -62,6 +62,8 @@ class _Captured:
     params: list[nn.Parameter]
     param_addresses: list[int]
     grads: Sequence[Tensor | None]  # what the backward graph writes, per parameter (None: unused)
+    # An input that requires grad, so the replay's outputs do and Lightning's backward reaches _Replay.backward.
+    anchor: Tensor
     generation: int = 0  # forwards replayed; a backward belongs to the newest one only
 
 
@@ -94,9 +96,7 @@ class GraphedForward:
             return self.eager_forward(*args)
         captured = self.captured
         _check_parameters_stayed(captured)
-        # An input that requires grad does, so Lightning's backward reaches _Replay.backward.
-        anchor = torch.ones((), device=captured.grad_outputs[0].device, requires_grad=True)
-        flat = _Replay.apply(captured, anchor, *args)
+        flat = _Replay.apply(captured, captured.anchor, *args)
         return pytree.tree_unflatten(list(flat), captured.output_spec)
 
     def _on_side_stream(self, function: Callable[..., Any], *args: Any) -> Any:
@@ -156,7 +156,7 @@ def _capture(forward: Callable[..., Any], model: nn.Module, args: tuple[Any, ...
             "Capturing needs a forward that never waits on the GPU (no .item(), .cpu(), .tolist() or shapes "
             "that depend on values) and works on one CUDA stream; set cuda_graphs=False.") from error
     return _Captured(signature, forward_graph, backward_graph, inputs, flat, spec, grad_outputs, params,
-                     [p.data_ptr() for p in params], grads)
+                     [p.data_ptr() for p in params], grads, torch.ones((), device=flat[0].device, requires_grad=True))
 
 
 def _check_parameters_stayed(captured: _Captured) -> None:
@@ -206,7 +206,7 @@ class _Replay(torch.autograd.Function):
             elif static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
         _replay_backward(captured)
-        return (None, None) + (None,) * (len(ctx.needs_input_grad) - 2)
+        return (None,) * len(ctx.needs_input_grad)
 
 
 def _replay_backward(captured: _Captured) -> None:
