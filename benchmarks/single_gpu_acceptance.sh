@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The single-GPU speed and memory rows of issue #28, in parts that each fit one device call (< 600 s), from the repo
-# root on the GPU machine, with jsonargparse and torchao importable (carried wheels) and, for `anchor` and `v030`,
-# the torchtitan kit built (benchmarks/torchtitan_anchor/build_kit.sh) and carried as .tt:
-#   bash benchmarks/single_gpu_acceptance.sh graphs anchor      # first call
-#   bash benchmarks/single_gpu_acceptance.sh 1b 8b v030         # second call, same lease (32k needs an H200)
-#   bash benchmarks/single_gpu_acceptance.sh launches           # "GPU busy X ms of Y ms wall", eager and graphed
+# root on the GPU machine, with jsonargparse and torchao importable (carried wheels), for `anchor` and `v030` the
+# torchtitan kit built (benchmarks/torchtitan_anchor/build_kit.sh) and carried as .tt, and for `fa4` the
+# flash-attn-4 package importable. One lease, for example:
+#   bash benchmarks/single_gpu_acceptance.sh anchor 1b 32k     # 32k needs an H200 (over 80 GB)
+#   bash benchmarks/single_gpu_acceptance.sh fa4 8b
+#   bash benchmarks/single_gpu_acceptance.sh graphs launches v030
 # Each run is bounded with `timeout -k` (the bounds are for hangs; a part takes about a third to half of its
 # bound): a process that ignores SIGTERM is killed, and the next part still runs.
 # Full logs go to $OUT (or /tmp) as <part>.log; the output keeps the table rows and summary lines.
@@ -25,24 +26,29 @@ for part in "$@"; do
     anchor)  # torchtitan v0.2.2, native single GPU, same shape
       TT_VARIANTS=native TT_TIMEOUT=150 bash benchmarks/torchtitan_anchor/run_v022.sh > "$logs/$part.log" 2>&1
       rows 2 < "$logs/$part.log" ;;
-    1b)  # the 1B step through Lightning: eager and with CUDA graphs, then FA4 where installed
+    1b)  # the 1B step through Lightning with SDPA: eager (and the plain loop), then with CUDA graphs
       common=(--flavor 1B --compile --compile-loss --steps 20 --warmup 8)
       throughput 110 "${common[@]}" --reference
-      throughput 100 "${common[@]}" --cuda-graphs
-      throughput 90 "${common[@]}" --attention-kernel fa4 --cuda-graphs ;;
+      throughput 100 "${common[@]}" --cuda-graphs ;;
+    fa4)  # the same with FlashAttention-4: the best kernels
+      common=(--flavor 1B --compile --compile-loss --steps 20 --warmup 8 --attention-kernel fa4)
+      throughput 100 "${common[@]}"
+      throughput 100 "${common[@]}" --cuda-graphs --reference ;;
     launches)  # is the host's launching (TritonAdamW: ~146 kernels a step) hidden behind the GPU? 3 profiled steps
-      common=(--flavor 1B --compile --compile-loss --steps 12 --warmup 6 --profile --reference) keep=3
+      common=(--flavor 1B --compile --compile-loss --steps 10 --warmup 5 --profile --reference) keep=3
       throughput 100 "${common[@]}"
       throughput 100 "${common[@]}" --cuda-graphs ;;
-    8b)  # 8B width x 16 layers: bf16 and float8 tensorwise at 8k, full AC at 32k (over 80 GB: an H200)
-      common=(--flavor 8B --n-layers 16 --batch-size 1 --compile --compile-loss)
-      throughput 110 "${common[@]}" --steps 12 --warmup 5
-      throughput 110 "${common[@]}" --float8 tensorwise --steps 12 --warmup 5
-      throughput 150 "${common[@]}" --seq-len 32768 --activation-checkpointing full --steps 5 --warmup 2 ;;
+    8b)  # 8B width x 16 layers at 8k: bf16 and float8 tensorwise
+      common=(--flavor 8B --n-layers 16 --batch-size 1 --compile --compile-loss --steps 12 --warmup 5)
+      throughput 110 "${common[@]}"
+      throughput 110 "${common[@]}" --float8 tensorwise ;;
+    32k)  # 8B width x 16 layers at 32k with full AC (over 80 GB: an H200)
+      throughput 150 --flavor 8B --n-layers 16 --batch-size 1 --compile --compile-loss --seq-len 32768 \
+        --activation-checkpointing full --steps 5 --warmup 2 ;;
     v030)  # torchtitan 0.3.0 on this torch, for the record
       TT030_BUDGET=60 bash benchmarks/torchtitan_anchor/run_v030.sh > "$logs/$part.log" 2>&1
       rows 2 < "$logs/$part.log" ;;
-    *) echo "unknown part $part (graphs, anchor, 1b, launches, 8b, v030)" ;;
+    *) echo "unknown part $part (graphs, anchor, 1b, fa4, launches, 8b, 32k, v030)" ;;
   esac
 done
 echo "=== done (t=$(( $(date +%s) - start ))s)"
