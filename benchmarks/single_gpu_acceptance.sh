@@ -21,7 +21,7 @@ for part in "$@"; do
   echo "=== $part (t=$(( $(date +%s) - start ))s)"
   case $part in
     graphs)  # GPU correctness of cuda_graphs: plain loops, refusals, Lightning with accumulation and validation
-      bounded 450 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py > "$logs/$part.log" 2>&1
+      bounded 360 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py > "$logs/$part.log" 2>&1
       rows 6 < "$logs/$part.log" ;;
     anchor)  # torchtitan v0.2.2, native single GPU, same shape
       TT_VARIANTS=native TT_TIMEOUT=150 bash benchmarks/torchtitan_anchor/run_v022.sh > "$logs/$part.log" 2>&1

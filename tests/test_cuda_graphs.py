@@ -103,9 +103,9 @@ def test_lightning_trains_the_same_with_cuda_graphs(tmp_path: Path, test_env: di
     # each epoch. A hang fails the launch at its timeout.
     spec = RunSpec(steps=8, batch_size=4, samples=22, accumulate=2, clip=1.0, validate=True, val_every=4,
                    accelerator="cuda", precision="bf16-mixed", timeout_seconds=120, strategy={"compile": True})
-    eager = launch(1, spec, tmp_path / "eager", test_env, timeout_s=200)[0]
+    eager = launch(1, spec, tmp_path / "eager", test_env, timeout_s=150)[0]
     graphed = launch(1, replace(spec, strategy={"compile": True, "cuda_graphs": True}), tmp_path / "graphed",
-                     test_env, timeout_s=200)[0]
+                     test_env, timeout_s=150)[0]
     assert graphed["graph_replays"] == 16 - 2 - 2  # 16 batches, 2 of them short, 2 eager warm-ups
     losses = series(graphed, "train_loss", accumulate=2)
     assert losses == pytest.approx(series(eager, "train_loss", accumulate=2), rel=1e-3), losses
