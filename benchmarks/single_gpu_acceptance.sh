@@ -35,7 +35,7 @@ for part in "$@"; do
       throughput 100 "${common[@]}"
       throughput 100 "${common[@]}" --cuda-graphs --reference ;;
     launches)  # is the host's launching (TritonAdamW: ~146 kernels a step) hidden behind the GPU? 3 profiled steps
-      common=(--flavor 1B --compile --compile-loss --steps 10 --warmup 5 --profile --reference) keep=3
+      common=(--flavor 1B --compile --compile-loss --steps 12 --warmup 6 --profile --reference) keep=3
       throughput 100 "${common[@]}"
       throughput 100 "${common[@]}" --cuda-graphs ;;
     8b)  # 8B width x 16 layers at 8k: bf16 and float8 tensorwise

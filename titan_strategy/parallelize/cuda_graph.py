@@ -84,6 +84,10 @@ class GraphedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
             return self.eager_forward(*args, **kwargs)
+        with _uncached_autocast():
+            return self._training_forward(args)
+
+    def _training_forward(self, args: tuple[Any, ...]) -> Any:
         signature = _signature(args)
         if self.captured is None:
             self.seen[signature] = self.seen.get(signature, 0) + 1
@@ -111,6 +115,18 @@ class GraphedForward:
         return outputs
 
 
+def _uncached_autocast() -> contextlib.AbstractContextManager[Any]:
+    """The autocast every training forward of the graphed model runs under: the caller's, without its cast cache.
+
+    The cache would hold casts the capture allocated past the end of the step, and replays skip the Python that
+    fills it; captured without it, each replay casts anew, as an eager step does. Warm-ups and eager forwards of
+    other shapes run the same way because compiled code is guarded on the cache setting: a warm-up with the cache
+    would leave the capture to recompile, and nothing may compile inside a capture."""
+    if not torch.is_autocast_enabled("cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+
+
 def apply_cuda_graphs(model: nn.Module, warmup_steps: int = WARMUP_STEPS) -> GraphedForward:
     """Replay ``model``'s training forward and backward as CUDA graphs from its ``warmup_steps + 1``-th
     training forward of one input signature on (see the module docstring)."""
@@ -129,13 +145,9 @@ def _capture(forward: Callable[..., Any], model: nn.Module, args: tuple[Any, ...
     params = [p for p in model.parameters() if p.requires_grad]
     inputs = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
     forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    # Autocast's cast cache would hold casts the capture allocated past the end of the step, and replays skip
-    # the Python that fills it: captured without the cache, each replay casts anew, as an eager step does.
-    autocast = (torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
-                if torch.is_autocast_enabled("cuda") else contextlib.nullcontext())
     torch.cuda.synchronize()
     try:
-        with torch.cuda.graph(forward_graph, pool=pool, stream=stream, capture_error_mode="thread_local"), autocast:
+        with torch.cuda.graph(forward_graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             outputs = forward(*inputs)
         flat, spec = pytree.tree_flatten(outputs)
         if not all(isinstance(o, Tensor) for o in flat):
@@ -154,7 +166,8 @@ def _capture(forward: Callable[..., Any], model: nn.Module, args: tuple[Any, ...
         raise RuntimeError(
             f"cuda_graphs=True could not capture {type(model).__name__}'s training forward and backward: {error}. "
             "Capturing needs a forward that never waits on the GPU (no .item(), .cpu(), .tolist() or shapes "
-            "that depend on values) and works on one CUDA stream; set cuda_graphs=False.") from error
+            "that depend on values), works on one CUDA stream and compiles nothing the warm-up forwards did not; "
+            "set cuda_graphs=False.") from error
     return _Captured(signature, forward_graph, backward_graph, inputs, flat, spec, grad_outputs, params,
                      [p.data_ptr() for p in params], grads, torch.ones((), device=flat[0].device, requires_grad=True))
 
