@@ -2,7 +2,7 @@
 # The single-GPU speed and memory rows of issue #28, in parts that each fit one device call (< 600 s), from the repo
 # root on the GPU machine, with jsonargparse and torchao importable (carried wheels), for `anchor` and `v030` the
 # torchtitan kit built (benchmarks/torchtitan_anchor/build_kit.sh) and carried as .tt, and for `fa4` the
-# flash-attn-4 package importable. One lease, for example:
+# flash-attn-4 package importable (`benchmarks/fa4_kit.sh`: two calls carry it). One lease, for example:
 #   bash benchmarks/single_gpu_acceptance.sh anchor 1b 32k     # 32k needs an H200 (over 80 GB)
 #   bash benchmarks/single_gpu_acceptance.sh fa4 8b
 #   bash benchmarks/single_gpu_acceptance.sh graphs launches v030

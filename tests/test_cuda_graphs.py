@@ -70,8 +70,8 @@ def _train(module: LlamaModule, batches: list[dict[str, torch.Tensor]], accumula
     ("chunked", 1, False), ("chunked", 2, False), ("logits", 1, False), ("logits", 2, False), ("chunked", 2, True)])
 def test_graphed_training_matches_eager(cross_entropy: str, accumulate: int, autocast: bool) -> None:
     # 9 full batches, then a short one (another signature: eager), then full ones again (replayed). Under autocast
-    # the compiled embedding is guarded on autocast's cache setting, which the capture turns off: the warm-ups
-    # must run the same way, or the capture recompiles (and fails).
+    # the capture turns autocast's cast cache off, and compiled code (here the embedding) is guarded on it: the
+    # warm-ups run that way too, or the capture would recompile, which fails (the Lightning test below did).
     batches = _batches([2] * 9 + [1] + [2] * 4)
     eager, graphed = _module(cross_entropy).cuda(), _module(cross_entropy).cuda()
     forward = apply_cuda_graphs(graphed.model)
