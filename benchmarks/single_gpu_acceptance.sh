@@ -30,10 +30,11 @@ for part in "$@"; do
       common=(--flavor 1B --compile --compile-loss --steps 20 --warmup 8)
       throughput 110 "${common[@]}" --reference
       throughput 100 "${common[@]}" --cuda-graphs ;;
-    fa4)  # the same with FlashAttention-4: the best kernels
+    fa4)  # the same with FlashAttention-4: the best kernels; then with float8 tensorwise linears too
       common=(--flavor 1B --compile --compile-loss --steps 20 --warmup 8 --attention-kernel fa4)
       throughput 100 "${common[@]}"
-      throughput 100 "${common[@]}" --cuda-graphs --reference ;;
+      throughput 100 "${common[@]}" --cuda-graphs --reference
+      throughput 100 "${common[@]}" --float8 tensorwise ;;
     launches)  # is the host's launching (TritonAdamW: ~146 kernels a step) hidden behind the GPU? 3 profiled steps
       common=(--flavor 1B --compile --compile-loss --steps 12 --warmup 6 --profile --reference) keep=3
       throughput 100 "${common[@]}"
