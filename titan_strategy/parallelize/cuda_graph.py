@@ -92,7 +92,7 @@ class GraphedForward:
         if self.captured is None:
             self.seen[signature] = self.seen.get(signature, 0) + 1
             if self.seen[signature] <= self.warmup_steps:
-                return self._on_side_stream(self.eager_forward, *args)
+                return self._eager_on_side_stream(args)
             self.captured = _capture(self.eager_forward, self.model, args, signature, self.pool, self.stream)
             rank_zero_info(f"cuda_graphs=True: captured {type(self.model).__name__}'s training forward and backward "
                            f"for inputs {_shapes(args)}; every later training step of those shapes replays them.")
@@ -103,11 +103,11 @@ class GraphedForward:
         flat = _Replay.apply(captured, captured.anchor, *args)
         return pytree.tree_unflatten(list(flat), captured.output_spec)
 
-    def _on_side_stream(self, function: Callable[..., Any], *args: Any) -> Any:
+    def _eager_on_side_stream(self, args: tuple[Any, ...]) -> Any:
         caller = torch.cuda.current_stream()
         self.stream.wait_stream(caller)
         with torch.cuda.stream(self.stream):
-            outputs = function(*args)
+            outputs = self.eager_forward(*args)
         caller.wait_stream(self.stream)
         for output in pytree.tree_leaves(outputs):
             if isinstance(output, Tensor):
