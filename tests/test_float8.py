@@ -7,13 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from llama_module import Llama, LlamaConfig
 from tests.conftest import launch
 from tests.parity import ReferenceRun, series
 from tests.run_spec import RunSpec
-from titan_strategy.parallelize.float8 import apply_float8
+from titan_strategy.parallelize.float8 import apply_float8, precompute_float8_scales
 
 
 @pytest.mark.unit
@@ -39,6 +42,28 @@ def test_a_single_device_casts_tensorwise_weights_without_fsdp() -> None:
         model = Llama(config)
     assert apply_float8(model, "tensorwise", skip=("output",), fsdp_all_gather=False) == 7
     assert not model.layers["0"].feed_forward.w1.config.enable_fsdp_float8_all_gather
+
+
+@pytest.mark.unit
+def test_precomputed_scales_are_updated_where_they_are() -> None:
+    # A CUDA graph that captured the float8 all-gather reads each weight's scale at the address it had then, so
+    # a new scale must land in the tensor the weight already held (torchao hands out a new one each time).
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False))
+        apply_float8(model, "tensorwise", skip=(), fsdp_all_gather=True)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        shard = model[0].weight._local_tensor
+        precompute_float8_scales(model)
+        first = shard._precomputed_scale
+        with torch.no_grad():
+            model[0].weight.mul_(2.0)
+        precompute_float8_scales(model)
+        assert shard._precomputed_scale is first
+        expected = torch.finfo(torch.float8_e4m3fn).max / model[0].weight.full_tensor().abs().max().double()
+        torch.testing.assert_close(first, expected.float())
+    finally:
+        dist.destroy_process_group()
 
 
 def _float8_gpu() -> bool:

@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_strategy.gpu import check_gpu_capability
 from titan_strategy.knobs import check_choice, knob
@@ -82,7 +83,17 @@ def apply_float8(model: nn.Module, recipe: Float8Recipe, skip: tuple[str, ...], 
 
 
 def precompute_float8_scales(model: nn.Module) -> None:
-    """After each optimizer step under tensorwise float8: every weight's scale for the next all-gather, at once."""
+    """After each optimizer step under tensorwise float8: every weight's scale for the next all-gather, at once.
+
+    torchao hands each weight a new scale tensor every time; the new values go into the tensor the weight held
+    before, so that whatever captured it stays valid (a CUDA graph's all-gather reads it where it was)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
+    shards = [param._local_tensor for param in model.parameters() if isinstance(param, DTensor)]
+    held = [getattr(shard, "_precomputed_scale", None) for shard in shards]
     precompute_float8_dynamic_scale_for_fsdp(model)
+    with torch.no_grad():
+        for shard, scale in zip(shards, held):
+            if scale is not None:
+                scale.copy_(shard._precomputed_scale)
+                shard._precomputed_scale = scale
