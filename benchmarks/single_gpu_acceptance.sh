@@ -5,7 +5,7 @@
 # flash-attn-4 package importable (`benchmarks/fa4_kit.sh`: two calls carry it). One lease, for example:
 #   bash benchmarks/single_gpu_acceptance.sh anchor 1b 32k     # 32k needs an H200 (over 80 GB)
 #   bash benchmarks/single_gpu_acceptance.sh fa4 8b
-#   bash benchmarks/single_gpu_acceptance.sh graphs launches v030
+#   bash benchmarks/single_gpu_acceptance.sh graphs short launches v030
 # Each run is bounded with `timeout -k` (the bounds are for hangs; a part takes about a third to half of its
 # bound): a process that ignores SIGTERM is killed, and the next part still runs.
 # Full logs go to $OUT (or /tmp) as <part>.log; the output keeps the table rows and summary lines.
@@ -30,11 +30,14 @@ for part in "$@"; do
       common=(--flavor 1B --compile --compile-loss --steps 20 --warmup 8)
       throughput 110 "${common[@]}" --reference
       throughput 100 "${common[@]}" --cuda-graphs ;;
-    fa4)  # the same with FlashAttention-4: the best kernels; then with float8 tensorwise linears too
+    fa4)  # the same with FlashAttention-4 (the best kernels; and the plain loop), then with float8 tensorwise linears
       common=(--flavor 1B --compile --compile-loss --steps 20 --warmup 8 --attention-kernel fa4)
-      throughput 100 "${common[@]}"
-      throughput 100 "${common[@]}" --cuda-graphs --reference
+      throughput 110 "${common[@]}" --reference
       throughput 100 "${common[@]}" --float8 tensorwise ;;
+    short)  # a step 8x shorter (seq 2048, batch 1: ~35 ms), where the host's launches may show: eager, then graphs
+      common=(--flavor 1B --seq-len 2048 --batch-size 1 --compile --compile-loss --steps 30 --warmup 10)
+      throughput 100 "${common[@]}"
+      throughput 100 "${common[@]}" --cuda-graphs ;;
     launches)  # is the host's launching (TritonAdamW: ~146 kernels a step) hidden behind the GPU? 3 profiled steps
       common=(--flavor 1B --compile --compile-loss --steps 12 --warmup 6 --profile --reference) keep=3
       throughput 100 "${common[@]}"
@@ -49,7 +52,7 @@ for part in "$@"; do
     v030)  # torchtitan 0.3.0 on this torch, for the record
       TT030_BUDGET=60 bash benchmarks/torchtitan_anchor/run_v030.sh > "$logs/$part.log" 2>&1
       rows 2 < "$logs/$part.log" ;;
-    *) echo "unknown part $part (graphs, anchor, 1b, fa4, launches, 8b, 32k, v030)" ;;
+    *) echo "unknown part $part (graphs, anchor, 1b, fa4, short, launches, 8b, 32k, v030)" ;;
   esac
 done
 echo "=== done (t=$(( $(date +%s) - start ))s)"

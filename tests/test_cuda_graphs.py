@@ -1,15 +1,23 @@
 """CUDA graphs (titan_strategy.parallelize.cuda_graph): the graphed model trains as the eager one does, through
-accumulation windows, a short last batch, evaluation and Lightning; and the knob is refused where it cannot run."""
+accumulation windows, a short last batch, evaluation, FSDP2 and Lightning; and the knob is refused where it cannot
+run."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Generator
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from llama_module import LlamaModule
 from tests.conftest import launch
@@ -19,6 +27,7 @@ from tests.train_worker import TINY
 from titan_strategy import TitanStrategy
 from titan_strategy.mesh import ParallelDims
 from titan_strategy.parallelize.cuda_graph import apply_cuda_graphs
+from titan_strategy.parallelize.fsdp import apply_fsdp, no_gradient_sync
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SEQ_LEN = 32
@@ -44,14 +53,17 @@ def _batches(sizes: list[int]) -> list[dict[str, torch.Tensor]]:
 
 
 def _train(module: LlamaModule, batches: list[dict[str, torch.Tensor]], accumulate: int,
-           autocast: bool = False) -> list[float]:
-    """A plain loop: token-mean loss per batch, an optimizer step every ``accumulate`` batches."""
+           autocast: bool = False, hold_back_sync: bool = False) -> list[float]:
+    """A plain loop: token-mean loss per batch, an optimizer step every ``accumulate`` batches (FSDP2's gradient
+    reduce-scatter held back within the window if ``hold_back_sync``, as TitanStrategy does without graphs)."""
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
     losses = []
     for index, batch in enumerate(batches, start=1):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss_sum, count = module.token_loss(batch)
-        (loss_sum / count / accumulate).backward()
+        held_back = hold_back_sync and index % accumulate != 0
+        with no_gradient_sync(module) if held_back else contextlib.nullcontext():
+            (loss_sum / count / accumulate).backward()
         losses.append((loss_sum / count).item())
         if index % accumulate == 0:
             optimizer.step()
@@ -83,6 +95,45 @@ def test_graphed_training_matches_eager(cross_entropy: str, accumulate: int, aut
         torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=1e-6)
 
 
+@pytest.fixture
+def one_rank_mesh(tmp_path: Path) -> Generator[DeviceMesh, None, None]:
+    """FSDP2 on this one GPU: its hooks, resharding, streams and sharded gradients are all there; with one rank
+    it copies where it would all-gather and reduce-scatter (the collectives need more GPUs)."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        yield init_device_mesh("cuda", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("accumulate", "param_dtype"), [(1, None), (2, None), (2, torch.bfloat16)])
+def test_fsdp_graphed_training_matches_eager(one_rank_mesh: DeviceMesh, accumulate: int,
+                                             param_dtype: torch.dtype | None) -> None:
+    # The eager run holds the reduce-scatter back within each accumulation window, the graphed one reduce-scatters
+    # every backward (as its capture did): the same sums. bf16 parameters with fp32 reductions: FSDP's mixed
+    # precision, the cast of each shard captured with the all-gather.
+    batches = _batches([2] * 9 + [1] + [2] * 4)
+    runs = {}
+    for graphs in (False, True):
+        module = _module().cuda()
+        plan = module.parallel_plan()
+        units = [[module.model.get_submodule(name) for name in names] for names in plan.fsdp_units]
+        apply_fsdp(module.model, units, one_rank_mesh, param_dtype=param_dtype,
+                   reduce_dtype=torch.float32 if param_dtype else None, reshard_after_forward="default")
+        graphed = apply_cuda_graphs(module.model) if graphs else None
+        runs[graphs] = _train(module, batches, accumulate, hold_back_sync=not graphs), module
+    tolerance = 1e-3 if param_dtype else 1e-5
+    (eager_losses, eager), (graphed_losses, graphed_module) = runs[False], runs[True]
+    assert graphed_losses == pytest.approx(eager_losses, rel=tolerance)
+    assert graphed is not None and graphed.captured is not None and graphed.captured.generation == 13 - 2
+    for ours, theirs in zip(graphed_module.parameters(), eager.parameters()):
+        assert isinstance(ours, DTensor)
+        torch.testing.assert_close(ours.full_tensor(), theirs.full_tensor(), rtol=tolerance, atol=1e-5)
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_a_second_forward_before_backward_and_a_moved_parameter_are_refused() -> None:
@@ -103,19 +154,23 @@ def test_a_second_forward_before_backward_and_a_moved_parameter_are_refused() ->
 
 @pytest.mark.gpu
 @needs_cuda
-def test_lightning_trains_the_same_with_cuda_graphs(tmp_path: Path, test_env: dict[str, str]) -> None:
-    # Compiled blocks, bf16 weights with fp32 masters, accumulation windows of 2 batches, clipping, validation
-    # within each epoch, and 22 samples in batches of 4: every sixth batch is a short one (eager), at the end of
-    # each epoch. A hang fails the launch at its timeout.
-    spec = RunSpec(steps=8, batch_size=4, samples=22, accumulate=2, clip=1.0, validate=True, val_every=4,
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="FSDP2 over NCCL needs 2 CUDA devices"))])
+def test_lightning_trains_the_same_with_cuda_graphs(devices: int, tmp_path: Path, test_env: dict[str, str]) -> None:
+    # Compiled blocks, bf16 weights with fp32 masters (FSDP2's bf16 parameters and fp32 reductions on 2 devices,
+    # whose graphs then hold NCCL's all-gathers and reduce-scatters), accumulation windows of 2 batches, clipping,
+    # validation within each epoch, and 22 samples a rank in batches of 4: every sixth batch is a short one
+    # (eager), at the end of each epoch. A hang fails the launch at its timeout.
+    spec = RunSpec(steps=8, batch_size=4, samples=22 * devices, accumulate=2, clip=1.0, validate=True, val_every=4,
                    accelerator="cuda", precision="bf16-mixed", timeout_seconds=120, strategy={"compile": True})
-    eager = launch(1, spec, tmp_path / "eager", test_env, timeout_s=150)[0]
-    graphed = launch(1, replace(spec, strategy={"compile": True, "cuda_graphs": True}), tmp_path / "graphed",
-                     test_env, timeout_s=150)[0]
-    assert graphed["graph_replays"] == 16 - 2 - 2  # 16 batches, 2 of them short, 2 eager warm-ups
-    losses = series(graphed, "train_loss", accumulate=2)
-    assert losses == pytest.approx(series(eager, "train_loss", accumulate=2), rel=1e-3), losses
-    assert graphed["val_losses"] == pytest.approx(eager["val_losses"], rel=1e-3)
+    eager = launch(devices, spec, tmp_path / "eager", test_env, timeout_s=150)
+    graphed = launch(devices, replace(spec, strategy={"compile": True, "cuda_graphs": True}), tmp_path / "graphed",
+                     test_env, timeout_s=150)
+    for ours, theirs in zip(graphed, eager):
+        assert ours["graph_replays"] == 16 - 2 - 2  # 16 batches, 2 of them short, 2 eager warm-ups
+        losses = series(ours, "train_loss", accumulate=2)
+        assert losses == pytest.approx(series(theirs, "train_loss", accumulate=2), rel=1e-3), losses
+        assert ours["val_losses"] == pytest.approx(theirs["val_losses"], rel=1e-3)
 
 
 @pytest.mark.unit
@@ -124,15 +179,30 @@ def test_the_knob_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="cuda_graphs=True replays CUDA graphs, but this run is on 'cpu'.*"
                                          "set cuda_graphs=False"):
         strategy.config.check_device(torch.device("cpu"))
-    for dims, named in ((ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1), "data-parallel ranks"),
+    for dims, named in ((ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1), "context_parallel_size"),
                         (ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1), "tensor_parallel_size"),
                         (ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2), "pipeline_parallel_size")):
-        with pytest.raises(ValueError, match=f"'{named}': 2.*Set cuda_graphs=False, or train on one device"):
+        with pytest.raises(ValueError, match=f"'{named}': 2.*Set cuda_graphs=False, or parallelize with data "
+                                             "parallelism only"):
             strategy.config.compile.check_layout(dims)
-    strategy.config.compile.check_layout(ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1))
+    for dp_replicate, dp_shard in ((1, 1), (1, 8), (2, 4)):  # one device, FSDP2, HSDP
+        strategy.config.compile.check_layout(ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=1,
+                                                          pp=1))
 
     class OwnModel(L.LightningModule):
         pass
 
     with pytest.raises(ValueError, match="OwnModel declares none .* set cuda_graphs=False"):
         strategy.config.check_module(OwnModel())
+
+
+@pytest.mark.unit
+def test_accumulation_windows_reduce_scatter_every_backward_under_graphs() -> None:
+    # A replayed backward reduce-scatters as its capture did, so the strategy must not hold FSDP2's reduce-scatter
+    # back within a window (an eager warm-up's held-back gradients would wait for an eager backward).
+    for cuda_graphs, held_back in ((False, True), (True, False)):
+        strategy = TitanStrategy(cuda_graphs=cuda_graphs)
+        strategy._lightning_module = L.LightningModule()
+        with mock.patch("titan_strategy.strategy.no_gradient_sync") as hold_back, strategy.block_backward_sync():
+            pass
+        assert hold_back.called == held_back

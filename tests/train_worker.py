@@ -43,7 +43,7 @@ import titan_strategy.checkpoint.io as checkpoint_io
 from llama_module import LlamaConfig, LlamaModule, TextDataModule
 from tests.run_spec import RunSpec
 from titan_strategy import FlightRecorder, Throughput, TitanStrategy
-from titan_strategy.parallelize.cuda_graph import GraphedForward
+from titan_strategy.parallelize.cuda_graph import graphed_call
 from titan_strategy.parallelize.float8 import Float8Config
 
 # 8 query and 4 kv heads: grouped-query attention that still splits 4 ways under tensor parallelism.
@@ -476,8 +476,8 @@ def main(spec: RunSpec, out_dir: Path) -> None:
         result["parameter_digest"] = digest.hexdigest()
     if memory_probe is not None:
         result["peak_memory_bytes"] = memory_probe.peak_bytes
-    graphed = getattr(getattr(model, "model", None), "forward", None)
-    if isinstance(graphed, GraphedForward) and graphed.captured is not None:  # cuda_graphs=True
+    graphed = graphed_call(getattr(model, "model", None))
+    if graphed is not None and graphed.captured is not None:  # cuda_graphs=True
         result["graph_replays"] = graphed.captured.generation  # training forwards that replayed the graphs
     if throughput is not None:
         result["throughput"] = [dataclasses.asdict(window) | window.metrics() for window in throughput.windows]

@@ -83,7 +83,8 @@ class TitanStrategy(ParallelStrategy):
         async_tensor_parallel: overlap TP communication with matmuls (AsyncTP); CUDA and compile only.
         compile: ``torch.compile`` each repeated block of the model.
         compile_loss: ``torch.compile`` the module's ``compute_loss(output, target)`` (no fp32 logits in memory).
-        cuda_graphs: replay the model's training forward and backward as CUDA graphs once warm (one device).
+        cuda_graphs: replay the model's training forward and backward as CUDA graphs once warm (one device,
+            FSDP2 or HSDP).
         activation_checkpointing: what backward recomputes instead of keeping: "none"; "full" (each block keeps
             its input); "selective_op" (keeps attention and every other matmul output); "selective_layer"
             (every ``activation_checkpointing_every``-th block is fully checkpointed).
@@ -386,7 +387,13 @@ class TitanStrategy(ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip FSDP2's gradient reduce-scatter on all but the last micro-batch of an accumulation window."""
+        """Skip FSDP2's gradient reduce-scatter on all but the last micro-batch of an accumulation window.
+
+        Not under CUDA graphs: a replayed backward reduce-scatters as it did when captured, and gradients an eager
+        warm-up held back would wait for an eager backward that may never come."""
+        if self.config.compile.cuda_graphs:
+            yield
+            return
         with no_gradient_sync(self.lightning_module):
             yield
 

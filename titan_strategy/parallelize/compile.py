@@ -28,8 +28,8 @@ class CompileConfig:
     """The module's ``compute_loss(output, target)``: the fp32 upcast of the logits fuses into the cross-entropy
     instead of materializing full-vocabulary fp32 logits."""
     cuda_graphs: bool = knob("cuda_graphs", False)
-    """The model's training forward and backward replayed as CUDA graphs once warm (``cuda_graph.py``): one
-    device, CUDA only; pipeline, tensor, context and data parallelism are refused."""
+    """The model's training forward and backward replayed as CUDA graphs once warm (``cuda_graph.py``): CUDA
+    only, on one device or under FSDP2/HSDP; pipeline, tensor and context parallelism are refused."""
 
     def check_device(self, device: torch.device) -> None:
         if self.cuda_graphs and device.type != "cuda":
@@ -37,16 +37,16 @@ class CompileConfig:
                              "a GPU, or set cuda_graphs=False.")
 
     def check_layout(self, dims: ParallelDims) -> None:
-        """CUDA graphs are captured for a model that no collective touches (one device)."""
+        """CUDA graphs are captured for a model on one device or data-parallel under FSDP2/HSDP."""
         if not self.cuda_graphs:
             return
         layout = {"pipeline_parallel_size": dims.pp, "tensor_parallel_size": dims.tp,
-                  "context_parallel_size": dims.cp, "data-parallel ranks": dims.batch_size}
+                  "context_parallel_size": dims.cp}
         beyond_one = {name: size for name, size in layout.items() if size > 1}
         if beyond_one:
-            raise ValueError(f"cuda_graphs=True graphs a model on one device, but this layout has {beyond_one}: "
-                             "under FSDP, TP and CP the forward's collectives and resharding are not captured yet, "
-                             "and pipeline schedules are exempt. Set cuda_graphs=False, or train on one device.")
+            raise ValueError(f"cuda_graphs=True graphs a model on one device or under FSDP2/HSDP, but this layout "
+                             f"has {beyond_one}: TP's and CP's collectives are not captured yet, and pipeline "
+                             "schedules are exempt. Set cuda_graphs=False, or parallelize with data parallelism only.")
 
     def check_module(self, module: Any) -> None:
         """Refuse a module this config cannot compile, before any process starts."""

@@ -1,17 +1,25 @@
-"""CUDA graphs: the model's training forward and its backward, each replayed as one CUDA graph.
+"""CUDA graphs: the model's training forward and its backward, each replayed as one CUDA graph, on one device or
+under FSDP2/HSDP.
 
 A compiled 1B step still launches a few thousand kernels, and the host has to keep ahead of the GPU on every
 one of them. Replayed from a graph, the forward and the backward each cost one launch, which leaves the host
 free for what stays eager (the optimizer, clipping, logging) while the GPU runs.
 
-What is graphed is the model's ``forward`` (the plan's model), not Lightning's training step: the user's
-``training_step``, its ``self.log`` calls and the loss reduction stay Python and run every step. Training
-forwards run eagerly until one input signature (shapes, dtypes) has been seen ``warmup_steps`` times, so
-torch.compile, cuBLAS and the allocator are warm; the next forward of that signature captures the forward and
+What is graphed is the call of the model (the plan's model) with its hooks, not Lightning's training step: the
+user's ``training_step``, its ``self.log`` calls and the loss reduction stay Python and run every step. Training
+calls run eagerly until one input signature (shapes, dtypes) has been seen ``warmup_steps`` times, so
+torch.compile, cuBLAS, NCCL and the allocator are warm; the next call of that signature captures the forward and
 its backward into one private memory pool, and later ones replay them. Anything else runs eagerly: evaluation,
 forwards without gradients, keyword arguments, another signature (a short last batch). Gradients come back
 through each parameter's ``.grad``: the backward graph writes them into tensors it owns, which are handed to
 the parameters (or added to what an accumulation window already holds).
+
+Under FSDP2 the root's hooks are part of the call, so each graph holds the all-gathers, the resharding and the
+gradient reduce-scatters (and HSDP's all-reduces) with the compute; FSDP's own streams are forked from the
+capturing stream and joined back, as CUDA requires of work captured on other streams. The parameters a graph
+reads are the shards the optimizer updates in place, and the gradients it writes are the sharded ones. Every
+backward reduce-scatters: a replay skips the Python that would hold gradients back within an accumulation
+window, so the strategy never asks it to.
 
 Replaying assumes what capturing saw stays where it was: the parameters' storage (optimizers update in place)
 and one forward per backward. A parameter that moved, or a second graphed forward before the first one's
@@ -21,20 +29,23 @@ backward, raises instead of training on stale memory.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["GraphedForward", "apply_cuda_graphs"]
+__all__ = ["GraphedCall", "apply_cuda_graphs", "graphed_call"]
 
 WARMUP_STEPS = 2
-"""Eager training forwards of a signature before it is captured: the first compiles, the second runs
-compiled, so nothing is compiled or autotuned while capturing."""
+"""Eager training calls of a signature before it is captured: the first compiles, the second runs compiled, so
+nothing is compiled or autotuned while capturing."""
 
 Signature = tuple[Any, ...]
 
@@ -46,6 +57,11 @@ def _shapes(args: tuple[Any, ...]) -> str:
 def _signature(args: tuple[Any, ...]) -> Signature:
     """What a replay needs to match: each argument's shape, dtype and device, or its value if not a tensor."""
     return tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, Tensor) else ("value", a) for a in args)
+
+
+def _address(tensor: Tensor) -> int:
+    """Where a tensor's data lives; a DTensor's (an FSDP shard or its gradient) is where its local shard lives."""
+    return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).data_ptr()
 
 
 @dataclass
@@ -67,47 +83,65 @@ class _Captured:
     generation: int = 0  # forwards replayed; a backward belongs to the newest one only
 
 
-class GraphedForward:
-    """Stands in for ``model.forward``: eager until warm, then one graph replay per training forward."""
+class GraphedCall:
+    """Stands in for calling the model (its hooks and ``forward``): eager until warm, then one graph replay per
+    training call."""
 
-    def __init__(self, model: nn.Module, warmup_steps: int = WARMUP_STEPS) -> None:
+    def __init__(self, model: nn.Module, eager_call: Callable[..., Any], warmup_steps: int = WARMUP_STEPS) -> None:
         self.model = model
-        self.eager_forward: Callable[..., Any] = model.forward
+        self.name = type(model).__name__  # for messages: the model's own class, not the one graphing it
+        self.eager_call = eager_call
         self.warmup_steps = warmup_steps
         self.seen: dict[Signature, int] = {}
         self.captured: _Captured | None = None
+        # Resharded before the capture and before the first replay after eager work (see _reshard).
+        self.fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+        self.ran_eagerly = True
         self.pool = torch.cuda.graph_pool_handle()
-        # Warm-up and capture share one side stream: autograd ties each parameter's gradient accumulator to the
-        # stream of the forward that first used it, and a capture may not make the default stream wait on it.
+        # Every training call runs on this side stream, the capture included: autograd ties each parameter's
+        # gradient accumulator to the stream of the forward that made it, and a capture may not make another
+        # stream wait on it.
         self.stream = torch.cuda.Stream()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs or not (self.model.training and torch.is_grad_enabled()):
-            return self.eager_forward(*args, **kwargs)
+            self.ran_eagerly = True
+            return self.eager_call(*args, **kwargs)
         with _uncached_autocast():
-            return self._training_forward(args)
+            return self._training_call(args)
 
-    def _training_forward(self, args: tuple[Any, ...]) -> Any:
+    def _training_call(self, args: tuple[Any, ...]) -> Any:
         signature = _signature(args)
         if self.captured is None:
             self.seen[signature] = self.seen.get(signature, 0) + 1
             if self.seen[signature] <= self.warmup_steps:
                 return self._eager_on_side_stream(args)
-            self.captured = _capture(self.eager_forward, self.model, args, signature, self.pool, self.stream)
-            rank_zero_info(f"cuda_graphs=True: captured {type(self.model).__name__}'s training forward and backward "
+            self._reshard()
+            self.captured = _capture(self.eager_call, self.model, self.name, args, signature, self.pool, self.stream)
+            rank_zero_info(f"cuda_graphs=True: captured {self.name}'s training forward and backward "
                            f"for inputs {_shapes(args)}; every later training step of those shapes replays them.")
         elif signature != self.captured.signature:
-            return self.eager_forward(*args)
+            return self._eager_on_side_stream(args)
         captured = self.captured
         _check_parameters_stayed(captured)
+        if self.ran_eagerly:
+            self._reshard()
         flat = _Replay.apply(captured, captured.anchor, *args)
         return pytree.tree_unflatten(list(flat), captured.output_spec)
 
+    def _reshard(self) -> None:
+        """Free the parameters an eager FSDP2 forward left gathered: a graph gathers into memory of its own, and an
+        eager forward after replays would otherwise compute with values gathered before them."""
+        for module in self.fsdp_modules:
+            module.reshard()
+        self.ran_eagerly = False
+
     def _eager_on_side_stream(self, args: tuple[Any, ...]) -> Any:
+        self.ran_eagerly = True
         caller = torch.cuda.current_stream()
         self.stream.wait_stream(caller)
         with torch.cuda.stream(self.stream):
-            outputs = self.eager_forward(*args)
+            outputs = self.eager_call(*args)
         caller.wait_stream(self.stream)
         for output in pytree.tree_leaves(outputs):
             if isinstance(output, Tensor):
@@ -116,10 +150,10 @@ class GraphedForward:
 
 
 def _uncached_autocast() -> contextlib.AbstractContextManager[Any]:
-    """The autocast every training forward of the graphed model runs under: the caller's, without its cast cache.
+    """The autocast every training call of the graphed model runs under: the caller's, without its cast cache.
 
     The cache would hold casts the capture allocated past the end of the step, and replays skip the Python that
-    fills it; captured without it, each replay casts anew, as an eager step does. Warm-ups and eager forwards of
+    fills it; captured without it, each replay casts anew, as an eager step does. Warm-ups and eager calls of
     other shapes run the same way because compiled code is guarded on the cache setting: a warm-up with the cache
     would leave the capture to recompile, and nothing may compile inside a capture."""
     if not torch.is_autocast_enabled("cuda"):
@@ -127,54 +161,95 @@ def _uncached_autocast() -> contextlib.AbstractContextManager[Any]:
     return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
 
 
-def apply_cuda_graphs(model: nn.Module, warmup_steps: int = WARMUP_STEPS) -> GraphedForward:
+def apply_cuda_graphs(model: nn.Module, warmup_steps: int = WARMUP_STEPS) -> GraphedCall:
     """Replay ``model``'s training forward and backward as CUDA graphs from its ``warmup_steps + 1``-th
-    training forward of one input signature on (see the module docstring)."""
+    training call of one input signature on (see the module docstring)."""
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             # Eager CUDA's embedding backward reads a count back to the host (it sorts the tokens first), which
             # no graph can capture; compiled, it is one scatter-add.
             module.compile()
-    graphed = GraphedForward(model, warmup_steps)
-    model.forward = graphed  # an instance attribute: nn.Module.__call__ finds it before the class's forward
+    eager_class = type(model)
+    graphed = GraphedCall(model, functools.partial(eager_class.__call__, model), warmup_steps)
+    # Calling a module runs its hooks around forward, and FSDP2's root does its work in hooks, so the call itself
+    # is what is graphed: a subclass made for this model (as fully_shard makes one) routes __call__ to it.
+    model.__class__ = type(f"CUDAGraphed{eager_class.__name__}", (eager_class,), {"__call__": _call_graphed})
+    model._titan_graphed_call = graphed
     return graphed
 
 
-def _capture(forward: Callable[..., Any], model: nn.Module, args: tuple[Any, ...], signature: Signature,
+def _call_graphed(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return model._titan_graphed_call(*args, **kwargs)
+
+
+def graphed_call(model: object) -> GraphedCall | None:
+    """The CUDA graphs ``apply_cuda_graphs`` put on ``model``, if it is a model they were put on."""
+    return getattr(model, "_titan_graphed_call", None)
+
+
+def _fsdp_streams(model: nn.Module) -> list[torch.cuda.Stream]:
+    """The streams FSDP2 runs its copies and collectives on (none without FSDP): a capture forks them and joins
+    them back, or their work would run once, eagerly, instead of being captured."""
+    if not isinstance(model, FSDPModule):
+        return []
+    comm_context = model._get_fsdp_state()._comm_ctx
+    return [stream for stream in vars(comm_context).values() if isinstance(stream, torch.cuda.Stream)]
+
+
+@contextlib.contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream,
+               forked: list[torch.cuda.Stream]) -> Generator[None, None, None]:
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        for other in forked:
+            other.wait_stream(stream)
+        yield
+        for other in forked:
+            stream.wait_stream(other)
+
+
+def _capture(call: Callable[..., Any], model: nn.Module, name: str, args: tuple[Any, ...], signature: Signature,
              pool: Any, stream: torch.cuda.Stream) -> _Captured:
     params = [p for p in model.parameters() if p.requires_grad]
     inputs = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
     forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    forked = _fsdp_streams(model)
+    # The backward below hands its gradients to each parameter's .grad (FSDP2 sets the sharded ones in its hooks);
+    # what an accumulation window holds there steps aside, so the graph writes tensors of its own.
+    held = [p.grad for p in params]
+    for param in params:
+        param.grad = None
     torch.cuda.synchronize()
     try:
-        with torch.cuda.graph(forward_graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            outputs = forward(*inputs)
+        with _capturing(forward_graph, pool, stream, forked):
+            outputs = call(*inputs)
         flat, spec = pytree.tree_flatten(outputs)
         if not all(isinstance(o, Tensor) for o in flat):
-            raise ValueError(f"cuda_graphs=True replays outputs the graph wrote, so {type(model).__name__}.forward "
+            raise ValueError(f"cuda_graphs=True replays outputs the graph wrote, so {name}.forward "
                              "must return tensors only (in any nesting); set cuda_graphs=False.")
         differentiable = [o for o in flat if o.requires_grad]
         if not differentiable:
             raise ValueError("cuda_graphs=True graphs the model's training forward and backward, but no output of "
-                             f"{type(model).__name__}.forward requires grad; set cuda_graphs=False.")
+                             f"{name}.forward requires grad; set cuda_graphs=False.")
         grad_outputs = [torch.empty_like(o) for o in differentiable]
-        # autograd.grad, not backward: the parameters' AccumulateGrad nodes may still belong to an eager step's
-        # graph (a loss kept alive), whose stream is not the one being captured.
-        with torch.cuda.graph(backward_graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            grads = torch.autograd.grad(differentiable, params, grad_outputs, allow_unused=True)
+        with _capturing(backward_graph, pool, stream, forked):
+            torch.autograd.backward(differentiable, grad_outputs)
     except RuntimeError as error:
         raise RuntimeError(
-            f"cuda_graphs=True could not capture {type(model).__name__}'s training forward and backward: {error}. "
+            f"cuda_graphs=True could not capture {name}'s training forward and backward: {error}. "
             "Capturing needs a forward that never waits on the GPU (no .item(), .cpu(), .tolist() or shapes "
-            "that depend on values), works on one CUDA stream and compiles nothing the warm-up forwards did not; "
-            "set cuda_graphs=False.") from error
+            "that depend on values), runs on the current stream (or FSDP2's) and compiles nothing the warm-up "
+            "calls did not; set cuda_graphs=False.") from error
+    finally:
+        grads = [p.grad for p in params]
+        for param, grad in zip(params, held):
+            param.grad = grad
     return _Captured(signature, forward_graph, backward_graph, inputs, flat, spec, grad_outputs, params,
-                     [p.data_ptr() for p in params], grads, torch.ones((), device=flat[0].device, requires_grad=True))
+                     [_address(p) for p in params], grads, torch.ones((), device=flat[0].device, requires_grad=True))
 
 
 def _check_parameters_stayed(captured: _Captured) -> None:
     for param, address in zip(captured.params, captured.param_addresses):
-        if param.data_ptr() != address:
+        if _address(param) != address:
             raise RuntimeError(
                 "cuda_graphs=True replays graphs that read each parameter where it was at capture, but a "
                 f"parameter of shape {tuple(param.shape)} now lives elsewhere (something assigned param.data or "
@@ -191,7 +266,7 @@ class _Replay(torch.autograd.Function):
             if isinstance(static, Tensor) and static.data_ptr() != arg.data_ptr():
                 static.copy_(arg)
         for param, grad in zip(captured.params, captured.grads):
-            if param.grad is not None and grad is not None and param.grad.data_ptr() == grad.data_ptr():
+            if param.grad is not None and grad is not None and _address(param.grad) == _address(grad):
                 # The forward graph's scratch memory is where the backward graph later put its gradients (one pool):
                 # gradients an accumulation window still holds move out before the forward overwrites them.
                 param.grad = param.grad.clone()
