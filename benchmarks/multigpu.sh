@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The multi-GPU validation run (issue #9), on the GPUs of one host:
-#   1. Llama 3 8B, FSDP over all GPUs: compile + selective AC, then + float8
+#   1. Llama 3 8B, FSDP over all GPUs: compile + selective AC, then + float8, then + CUDA graphs; and a short
+#      step (1B, 2k tokens a GPU) eager and with CUDA graphs, whose graphs hold FSDP's collectives
 #   2. 2-D FSDP x TP2, without and with AsyncTP
 #   3. PP=4 with FSDP: 1F1B, Interleaved1F1B, ZBVZeroBubble
 #   4. CP=2/4/8 on the 8B shape, seq 64k -> 256k (and CP=1 at 32k), full AC
@@ -59,6 +60,14 @@ train fsdp-8b-bf16 "$all" --flavor 8B --batch-size 1 \
     --strategy "{$compiled, \"activation_checkpointing\": \"selective_op\"}"
 train fsdp-8b-float8 "$all" --flavor 8B --batch-size 1 \
     --strategy "{$compiled, \"activation_checkpointing\": \"selective_op\", \"float8\": \"tensorwise\"}"
+# CUDA graphs under FSDP2 (never run on more than one GPU yet): the 8B case, then a step short enough (1B, 2,048
+# tokens a GPU) that launching and FSDP's Python hooks may show, eager against graphed.
+train fsdp-8b-bf16-graphs "$all" --flavor 8B --batch-size 1 \
+    --strategy "{$compiled, \"activation_checkpointing\": \"selective_op\", \"cuda_graphs\": true}"
+for graphs in false true; do
+    train "fsdp-1b-seq2k-graphs-$graphs" "$two_or_all" --flavor 1B --batch-size 1 --seq-len 2048 \
+        --strategy "{$compiled, \"cuda_graphs\": $graphs}"
+done
 
 # 2. 2-D: FSDP x TP2; the same with AsyncTP (TP's collectives overlapped with its matmuls).
 for async_tp in false true; do
