@@ -25,6 +25,7 @@ from tests.parity import series
 from tests.run_spec import RunSpec
 from tests.train_worker import TINY
 from titan_strategy import TitanStrategy
+from titan_strategy.config import TitanConfig
 from titan_strategy.mesh import ParallelDims
 from titan_strategy.parallelize.cuda_graph import apply_cuda_graphs
 from titan_strategy.parallelize.fsdp import apply_fsdp, no_gradient_sync
@@ -188,6 +189,13 @@ def test_the_knob_is_refused_where_it_cannot_run() -> None:
     for dp_replicate, dp_shard in ((1, 1), (1, 8), (2, 4)):  # one device, FSDP2, HSDP
         strategy.config.compile.check_layout(ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=1,
                                                           pp=1))
+
+    with pytest.raises(ValueError, match="fault_tolerance='torchft' decides it on the host every step.*"
+                                         "Set cuda_graphs=False"):
+        TitanConfig.from_knobs(cuda_graphs=True, fault_tolerance="torchft", data_parallel_replicate_size=2)
+    with pytest.raises(ValueError, match="activation_checkpointing='full' needs compile=True.*Set compile=True"):
+        TitanConfig.from_knobs(cuda_graphs=True, activation_checkpointing="full")
+    TitanConfig.from_knobs(cuda_graphs=True, activation_checkpointing="full", compile=True)
 
     class OwnModel(L.LightningModule):
         pass

@@ -56,6 +56,15 @@ class TitanConfig:
         if problem:
             raise ValueError(problem)
         self.fault_tolerance.check_layout(self.mesh, self.pipeline.size)
+        if self.compile.cuda_graphs and self.fault_tolerance.mode != "none":
+            raise ValueError(f"cuda_graphs=True freezes the gradient all-reduce into a graph, but fault_tolerance="
+                             f"{self.fault_tolerance.mode!r} decides it on the host every step (quorum, participation, "
+                             "a communicator rebuilt when replicas change). Set cuda_graphs=False, or "
+                             "fault_tolerance='none'.")
+        if self.compile.cuda_graphs and self.activation_checkpointing.mode != "none" and not self.compile.blocks:
+            raise ValueError(f"cuda_graphs=True with activation_checkpointing={self.activation_checkpointing.mode!r} "
+                             "needs compile=True: eager checkpointing saves the CUDA RNG state, which no graph "
+                             "capture may read. Set compile=True, or activation_checkpointing='none'.")
         if self.tensor_parallel.async_tp and not self.compile.blocks:
             raise ValueError("async_tensor_parallel=True needs compile=True: AsyncTP is an inductor pass over "
                              "compiled blocks. Set compile=True, or async_tensor_parallel=False.")

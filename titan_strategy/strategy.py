@@ -42,6 +42,7 @@ from titan_strategy.parallelize import parallelize
 from titan_strategy.parallelize.activation_checkpoint import ACMode
 from titan_strategy.parallelize.compile import apply_compile_loss
 from titan_strategy.parallelize.context_parallel import RotateMethod
+from titan_strategy.parallelize.cuda_graph import graphed_call
 from titan_strategy.parallelize.float8 import Float8Recipe
 from titan_strategy.parallelize.fsdp import ReshardPolicy, no_gradient_sync
 from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
@@ -497,6 +498,8 @@ class TitanStrategy(ParallelStrategy):
         if self._master_weights is not None:  # the parameters hold their fp32 masters again
             self._master_weights.release()
             self._master_weights = None
+        if self.runtime is not None and (graphed := graphed_call(self.runtime.plan.model)) is not None:
+            graphed.release()  # before the process group goes: captured collectives hold its communicators
 
     @classmethod
     @override

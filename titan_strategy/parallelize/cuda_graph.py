@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["GraphedCall", "apply_cuda_graphs", "graphed_call"]
 
@@ -60,8 +62,15 @@ def _signature(args: tuple[Any, ...]) -> Signature:
 
 
 def _address(tensor: Tensor) -> int:
-    """Where a tensor's data lives; a DTensor's (an FSDP shard or its gradient) is where its local shard lives."""
-    return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).data_ptr()
+    """Where a tensor's data lives: a DTensor's (an FSDP shard or its gradient) is where its local shard lives, and
+    a wrapper subclass's (torchao's float8 weight) where the first tensor it wraps lives; theirs read 0."""
+    while True:
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor
+        elif is_traceable_wrapper_subclass(tensor):
+            tensor = getattr(tensor, tensor.__tensor_flatten__()[0][0])
+        else:
+            return tensor.data_ptr()
 
 
 @dataclass
@@ -80,6 +89,7 @@ class _Captured:
     grads: Sequence[Tensor | None]  # what the backward graph writes, per parameter (None: unused)
     # An input that requires grad, so the replay's outputs do and Lightning's backward reaches _Replay.backward.
     anchor: Tensor
+    fsdp_streams: list[torch.cuda.Stream]
     generation: int = 0  # forwards replayed; a backward belongs to the newest one only
 
 
@@ -128,6 +138,13 @@ class GraphedCall:
             self._reshard()
         flat = _Replay.apply(captured, captured.anchor, *args)
         return pytree.tree_unflatten(list(flat), captured.output_spec)
+
+    def release(self) -> None:
+        """Drop the graphs and their memory pool. Each captured NCCL collective holds its communicator until its
+        graph is destroyed, so this runs before the process group is torn down (TitanStrategy.teardown)."""
+        self.captured = None
+        torch.cuda.synchronize()
+        gc.collect()  # autograd nodes of the last replay may still hold the graphs
 
     def _reshard(self) -> None:
         """Free the parameters an eager FSDP2 forward left gathered: a graph gathers into memory of its own, and an
@@ -244,7 +261,8 @@ def _capture(call: Callable[..., Any], model: nn.Module, name: str, args: tuple[
         for param, grad in zip(params, held):
             param.grad = grad
     return _Captured(signature, forward_graph, backward_graph, inputs, flat, spec, grad_outputs, params,
-                     [_address(p) for p in params], grads, torch.ones((), device=flat[0].device, requires_grad=True))
+                     [_address(p) for p in params], grads, torch.ones((), device=flat[0].device, requires_grad=True),
+                     forked)
 
 
 def _check_parameters_stayed(captured: _Captured) -> None:
@@ -300,6 +318,11 @@ class _Replay(torch.autograd.Function):
 def _replay_backward(captured: _Captured) -> None:
     """Replay the backward and hand its gradients to the parameters, added to any the window already holds."""
     captured.backward.replay()
+    caller = torch.cuda.current_stream()
+    for stream in captured.fsdp_streams:
+        # An eager FSDP2 backward in the same step (another call of the model) may still be reducing into the
+        # gradients added to below; FSDP waits for that only at the end of the whole backward.
+        caller.wait_stream(stream)
     for param, grad in zip(captured.params, captured.grads):
         if grad is not None:
             param.grad = grad if param.grad is None else param.grad.add_(grad)
