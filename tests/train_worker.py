@@ -477,8 +477,9 @@ def main(spec: RunSpec, out_dir: Path) -> None:
     if memory_probe is not None:
         result["peak_memory_bytes"] = memory_probe.peak_bytes
     graphed = graphed_call(getattr(model, "model", None))
-    if graphed is not None and graphed.captured is not None:  # cuda_graphs=True
-        result["graph_replays"] = graphed.captured.generation  # training forwards that replayed the graphs
+    if graphed is not None and graphed.replays:  # cuda_graphs=True
+        result["graph_replays"] = graphed.replays  # training forwards that replayed the graphs
+        result["graphs_released"] = graphed.captured is None  # by the strategy's teardown
     if throughput is not None:
         result["throughput"] = [dataclasses.asdict(window) | window.metrics() for window in throughput.windows]
     if spec.lightning_callbacks:

@@ -104,6 +104,7 @@ class GraphedCall:
         self.warmup_steps = warmup_steps
         self.seen: dict[Signature, int] = {}
         self.captured: _Captured | None = None
+        self.replays = 0  # training calls that replayed the graphs (release() keeps the count)
         # Resharded before the capture and before the first replay after eager work (see _reshard).
         self.fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
         self.ran_eagerly = True
@@ -136,6 +137,7 @@ class GraphedCall:
         _check_parameters_stayed(captured)
         if self.ran_eagerly:
             self._reshard()
+        self.replays += 1
         flat = _Replay.apply(captured, captured.anchor, *args)
         return pytree.tree_unflatten(list(flat), captured.output_spec)
 
