@@ -11,11 +11,15 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tests.run_spec import RunSpec
 
@@ -93,6 +97,19 @@ def _succeeded(result: subprocess.CompletedProcess, cwd: Path) -> subprocess.Com
                              + "\n".join(telling) + f"\n--- stdout tail:\n{result.stdout[-3000:]}\n"
                              f"--- stderr tail:\n{result.stderr[-8000:]}")
     return result
+
+
+@contextmanager
+def one_rank_mesh(device_type: str, dim_name: str) -> Iterator[DeviceMesh]:
+    """A one-rank process group (gloo on CPU, NCCL on CUDA) and its 1-D mesh in this process: enough to run a
+    parallel code path without launching ranks."""
+    backend, device_id = ("nccl", torch.device("cuda:0")) if device_type == "cuda" else ("gloo", None)
+    dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore(), device_id=device_id,
+                            timeout=timedelta(seconds=60))
+    try:
+        yield init_device_mesh(device_type, (1,), mesh_dim_names=(dim_name,))
+    finally:
+        dist.destroy_process_group()
 
 
 def launch(nproc: int, spec: RunSpec, out_dir: Path, env: dict[str, str],

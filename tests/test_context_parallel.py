@@ -13,12 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from tests.conftest import launch
+from tests.conftest import launch, one_rank_mesh
 from tests.parity import (
     BASE_RUN,
     FULL_RUN,
@@ -156,11 +154,8 @@ class _Holder(nn.Module):
 @pytest.fixture
 def cp_mesh_of_one() -> Any:
     """A one-rank CP ring: enough to run the CP code path in this process."""
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_mesh("cpu", "cp") as mesh:
+        yield mesh
 
 
 @pytest.mark.unit
@@ -221,11 +216,8 @@ def test_ring_of_one_equals_plain_attention_and_restores_buffers(cp_mesh_of_one:
 
 @pytest.fixture
 def cuda_cp_mesh_of_one() -> Any:
-    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore(), device_id=torch.device("cuda:0"))
-    try:
-        yield init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_mesh("cuda", "cp") as mesh:
+        yield mesh
 
 
 @pytest.mark.gpu

@@ -8,25 +8,24 @@ import contextlib
 import dataclasses
 from collections.abc import Generator
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 from unittest import mock
 
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from llama_module import LlamaModule
-from tests.conftest import launch
+from tests.conftest import launch, one_rank_mesh
 from tests.parity import series
 from tests.run_spec import RunSpec
 from tests.train_worker import TINY
 from titan_strategy import TitanStrategy
 from titan_strategy.config import TitanConfig
 from titan_strategy.mesh import ParallelDims
+from titan_strategy.parallelize import _resolve_units
 from titan_strategy.parallelize.cuda_graph import apply_cuda_graphs
 from titan_strategy.parallelize.fsdp import apply_fsdp, no_gradient_sync
 
@@ -97,21 +96,17 @@ def test_graphed_training_matches_eager(cross_entropy: str, accumulate: int, aut
 
 
 @pytest.fixture
-def one_rank_mesh(tmp_path: Path) -> Generator[DeviceMesh, None, None]:
+def fsdp_mesh_of_one() -> Generator[DeviceMesh, None, None]:
     """FSDP2 on this one GPU: its hooks, resharding, streams and sharded gradients are all there; with one rank
     it copies where it would all-gather and reduce-scatter (the collectives need more GPUs)."""
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    try:
-        yield init_device_mesh("cuda", (1,))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_mesh("cuda", "dp_shard") as mesh:
+        yield mesh
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(("accumulate", "param_dtype"), [(1, None), (2, None), (2, torch.bfloat16)])
-def test_fsdp_graphed_training_matches_eager(one_rank_mesh: DeviceMesh, accumulate: int,
+def test_fsdp_graphed_training_matches_eager(fsdp_mesh_of_one: DeviceMesh, accumulate: int,
                                              param_dtype: torch.dtype | None) -> None:
     # The eager run holds the reduce-scatter back within each accumulation window, the graphed one reduce-scatters
     # every backward (as its capture did): the same sums. bf16 parameters with fp32 reductions: FSDP's mixed
@@ -121,8 +116,7 @@ def test_fsdp_graphed_training_matches_eager(one_rank_mesh: DeviceMesh, accumula
     for graphs in (False, True):
         module = _module().cuda()
         plan = module.parallel_plan()
-        units = [[module.model.get_submodule(name) for name in names] for names in plan.fsdp_units]
-        apply_fsdp(module.model, units, one_rank_mesh, param_dtype=param_dtype,
+        apply_fsdp(module.model, _resolve_units(plan, module.model), fsdp_mesh_of_one, param_dtype=param_dtype,
                    reduce_dtype=torch.float32 if param_dtype else None, reshard_after_forward="default")
         graphed = apply_cuda_graphs(module.model) if graphs else None
         runs[graphs] = _train(module, batches, accumulate, hold_back_sync=not graphs), module

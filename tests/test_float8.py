@@ -7,13 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from llama_module import Llama, LlamaConfig
-from tests.conftest import launch
+from tests.conftest import launch, one_rank_mesh
 from tests.parity import ReferenceRun, series
 from tests.run_spec import RunSpec
 from titan_strategy.parallelize.cuda_graph import _address
@@ -49,11 +47,10 @@ def test_a_single_device_casts_tensorwise_weights_without_fsdp() -> None:
 def test_precomputed_scales_stay_where_they_are() -> None:
     # A CUDA graph that captured the float8 all-gather reads each weight's scale at the address it had then, so
     # a new scale must land in the tensor the weight already held (torchao hands out a new one each time).
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
+    with one_rank_mesh("cpu", "dp_shard") as mesh:
         model = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False))
         apply_float8(model, "tensorwise", skip=(), fsdp_all_gather=True)
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        fully_shard(model, mesh=mesh)
         shard = model[0].weight._local_tensor
         precompute_float8_scales(model)
         first = shard._precomputed_scale
@@ -65,8 +62,6 @@ def test_precomputed_scales_stay_where_they_are() -> None:
         torch.testing.assert_close(first, expected.float())
         # CUDA graphs check that a weight stayed where it was; torchao's float8 wrapper itself reads address 0.
         assert _address(model[0].weight) == shard._tensor.data_ptr() != 0
-    finally:
-        dist.destroy_process_group()
 
 
 def _float8_gpu() -> bool:

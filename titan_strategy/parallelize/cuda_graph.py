@@ -128,7 +128,7 @@ class GraphedCall:
             if self.seen[signature] <= self.warmup_steps:
                 return self._eager_on_side_stream(args)
             self._reshard()
-            self.captured = _capture(self.eager_call, self.model, self.name, args, signature, self.pool, self.stream)
+            self.captured = self._capture(args, signature)
             rank_zero_info(f"cuda_graphs=True: captured {self.name}'s training forward and backward "
                            f"for inputs {_shapes(args)}; every later training step of those shapes replays them.")
         elif signature != self.captured.signature:
@@ -140,6 +140,45 @@ class GraphedCall:
         self.replays += 1
         flat = _Replay.apply(captured, captured.anchor, *args)
         return pytree.tree_unflatten(list(flat), captured.output_spec)
+
+    def _capture(self, args: tuple[Any, ...], signature: Signature) -> _Captured:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        inputs = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
+        forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        forked = _fsdp_streams(self.model)
+        # The backward below hands its gradients to each parameter's .grad (FSDP2 sets the sharded ones in its hooks);
+        # what an accumulation window holds there steps aside, so the graph writes tensors of its own.
+        held = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        torch.cuda.synchronize()
+        try:
+            with _capturing(forward_graph, self.pool, self.stream, forked):
+                outputs = self.eager_call(*inputs)
+            flat, spec = pytree.tree_flatten(outputs)
+            if not all(isinstance(o, Tensor) for o in flat):
+                raise ValueError(f"cuda_graphs=True replays outputs the graph wrote, so {self.name}.forward "
+                                 "must return tensors only (in any nesting); set cuda_graphs=False.")
+            differentiable = [o for o in flat if o.requires_grad]
+            if not differentiable:
+                raise ValueError("cuda_graphs=True graphs the model's training forward and backward, but no output of "
+                                 f"{self.name}.forward requires grad; set cuda_graphs=False.")
+            grad_outputs = [torch.empty_like(o) for o in differentiable]
+            with _capturing(backward_graph, self.pool, self.stream, forked):
+                torch.autograd.backward(differentiable, grad_outputs)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"cuda_graphs=True could not capture {self.name}'s training forward and backward: {error}. "
+                "Capturing needs a forward that never waits on the GPU (no .item(), .cpu(), .tolist() or shapes "
+                "that depend on values), runs on the current stream (or FSDP2's) and compiles nothing the warm-up "
+                "calls did not; set cuda_graphs=False.") from error
+        finally:
+            grads = [p.grad for p in params]
+            for param, grad in zip(params, held):
+                param.grad = grad
+        anchor = torch.ones((), device=flat[0].device, requires_grad=True)
+        return _Captured(signature, forward_graph, backward_graph, inputs, flat, spec, grad_outputs, params,
+                         [_address(p) for p in params], grads, anchor, forked)
 
     def release(self) -> None:
         """Drop the graphs and their memory pool. Each captured NCCL collective holds its communicator until its
@@ -224,47 +263,6 @@ def _capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream
         yield
         for other in forked:
             stream.wait_stream(other)
-
-
-def _capture(call: Callable[..., Any], model: nn.Module, name: str, args: tuple[Any, ...], signature: Signature,
-             pool: Any, stream: torch.cuda.Stream) -> _Captured:
-    params = [p for p in model.parameters() if p.requires_grad]
-    inputs = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
-    forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    forked = _fsdp_streams(model)
-    # The backward below hands its gradients to each parameter's .grad (FSDP2 sets the sharded ones in its hooks);
-    # what an accumulation window holds there steps aside, so the graph writes tensors of its own.
-    held = [p.grad for p in params]
-    for param in params:
-        param.grad = None
-    torch.cuda.synchronize()
-    try:
-        with _capturing(forward_graph, pool, stream, forked):
-            outputs = call(*inputs)
-        flat, spec = pytree.tree_flatten(outputs)
-        if not all(isinstance(o, Tensor) for o in flat):
-            raise ValueError(f"cuda_graphs=True replays outputs the graph wrote, so {name}.forward "
-                             "must return tensors only (in any nesting); set cuda_graphs=False.")
-        differentiable = [o for o in flat if o.requires_grad]
-        if not differentiable:
-            raise ValueError("cuda_graphs=True graphs the model's training forward and backward, but no output of "
-                             f"{name}.forward requires grad; set cuda_graphs=False.")
-        grad_outputs = [torch.empty_like(o) for o in differentiable]
-        with _capturing(backward_graph, pool, stream, forked):
-            torch.autograd.backward(differentiable, grad_outputs)
-    except RuntimeError as error:
-        raise RuntimeError(
-            f"cuda_graphs=True could not capture {name}'s training forward and backward: {error}. "
-            "Capturing needs a forward that never waits on the GPU (no .item(), .cpu(), .tolist() or shapes "
-            "that depend on values), runs on the current stream (or FSDP2's) and compiles nothing the warm-up "
-            "calls did not; set cuda_graphs=False.") from error
-    finally:
-        grads = [p.grad for p in params]
-        for param, grad in zip(params, held):
-            param.grad = grad
-    return _Captured(signature, forward_graph, backward_graph, inputs, flat, spec, grad_outputs, params,
-                     [_address(p) for p in params], grads, torch.ones((), device=flat[0].device, requires_grad=True),
-                     forked)
 
 
 def _check_parameters_stayed(captured: _Captured) -> None:
