@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Generator
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from unittest import mock
 
@@ -26,7 +28,7 @@ from titan_strategy import TitanStrategy
 from titan_strategy.config import TitanConfig
 from titan_strategy.mesh import ParallelDims
 from titan_strategy.parallelize import _resolve_units
-from titan_strategy.parallelize.cuda_graph import apply_cuda_graphs
+from titan_strategy.parallelize.cuda_graph import CaptureSchedule, _digest, _signature, apply_cuda_graphs
 from titan_strategy.parallelize.fsdp import apply_fsdp, no_gradient_sync
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -209,3 +211,50 @@ def test_accumulation_windows_reduce_scatter_every_backward_under_graphs() -> No
         with mock.patch("titan_strategy.strategy.no_gradient_sync") as hold_back, strategy.block_backward_sync():
             pass
         assert hold_back.called == held_back
+
+
+@pytest.mark.unit
+def test_ranks_capture_and_replay_together_when_their_shapes_differ() -> None:
+    # Two ranks (threads of this process, each with its own gloo group) call the model with the shapes below: at
+    # the 2nd and 5th call their shapes differ (a per-rank dynamic-padding collator). Deciding alone, rank 0 would
+    # capture at its 3rd call and rank 1 at its 4th, and at the 5th rank 1 would replay collectives that rank 0
+    # never joins. Agreed, both run every call of differing shapes eagerly, and the rest in the same order.
+    full, other, short = (torch.zeros(4, SEQ_LEN, dtype=torch.long), torch.zeros(4, SEQ_LEN - 8, dtype=torch.long),
+                          torch.zeros(2, SEQ_LEN, dtype=torch.long))
+    calls = {0: [full, full, full, full, other, full, short], 1: [full, other, full, full, full, full, short]}
+    expected = ["eager", "eager", "eager", "capture", "eager", "replay", "eager"]
+    store, decisions, disagreements = torch.distributed.HashStore(), {}, {}
+
+    def rank(index: int) -> None:
+        group = torch.distributed.ProcessGroupGloo(store, index, 2, timedelta(seconds=20))
+        schedule = CaptureSchedule(warmup_steps=2, group=group)
+        decisions[index] = [schedule.decide(_signature((tokens,)), str(tuple(tokens.shape))) for tokens in calls[index]]
+        disagreements[index] = schedule.disagreements
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in (0, 1)]
+    with pytest.warns(UserWarning, match="different input shapes .* Give every rank batches of one shape"):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert decisions == {0: expected, 1: expected}
+    assert disagreements == {0: 2, 1: 2}
+    # Alone (no group), a rank decides from its own shapes: rank 1's sequence captures at its 4th call too, but
+    # rank 0's at its 3rd, which is the divergence the agreement prevents.
+    alone = CaptureSchedule(warmup_steps=2)
+    assert [alone.decide(_signature((tokens,)), "") for tokens in calls[0]][:3] == ["eager", "eager", "capture"]
+
+
+@pytest.mark.unit
+def test_the_agreed_signature_leaves_out_which_device_a_rank_has() -> None:
+    # Rank r's inputs live on cuda:r: the same shapes and dtypes read alike on every rank, others do not.
+    def on(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> int:
+        return _digest(((shape, dtype, device),))
+
+    rank0 = on((4, 8), torch.long, torch.device("cuda", 0))
+    assert rank0 == on((4, 8), torch.long, torch.device("cuda", 1))
+    assert rank0 != on((4, 7), torch.long, torch.device("cuda", 0))
+    assert rank0 != on((4, 8), torch.int32, torch.device("cuda", 0))
+    assert rank0 != on((4, 8), torch.long, torch.device("cpu"))
+    assert _digest((("value", 3),)) != _digest((("value", 4),))

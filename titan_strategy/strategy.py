@@ -298,7 +298,8 @@ class TitanStrategy(ParallelStrategy):
         self.runtime = parallelize(module.parallel_plan(), self.device_mesh, self.parallel_dims, self.config,
                                    self.root_device, param_dtype=precision.param_dtype,
                                    reduce_dtype=precision.reduce_dtype,
-                                   pipeline_loss=getattr(module, "pipeline_loss", None))
+                                   pipeline_loss=getattr(module, "pipeline_loss", None),
+                                   host_group=self._groups.host_control)
 
     @override
     def connect(self, model: pl.LightningModule) -> None:

@@ -6,6 +6,7 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from titan_strategy.distributed import is_rehearsal
@@ -66,11 +67,12 @@ def check_plan(plan: ParallelPlan, dims: ParallelDims, config: TitanConfig) -> P
 
 def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config: TitanConfig, device: torch.device,
                 *, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                pipeline_loss: LossFn | None = None) -> ParallelRuntime:
+                pipeline_loss: LossFn | None = None, host_group: dist.ProcessGroup | None = None) -> ParallelRuntime:
     """Parallelize ``plan.model`` in place (it is on the meta device), materialize it, and return its runtime.
 
     ``param_dtype``/``reduce_dtype`` are FSDP's mixed precision; ``pipeline_loss`` is the loss of one
-    microbatch under PP (default: ``token_cross_entropy``, summed over the tokens not labelled -100).
+    microbatch under PP (default: ``token_cross_entropy``, summed over the tokens not labelled -100);
+    ``host_group`` (gloo, every rank) is where CUDA graphs agree on each call's input shapes.
 
     Order matters: the pipeline split first, on the meta model, so each stage keeps the full
     model's parameter names; float8 next, since it swaps the linear modules that every later step
@@ -120,7 +122,7 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
     # by (seed, name) gives each stage the weights of the unsplit model.
     materialize(plan.model, device, plan.init_weights)
     if config.compile.cuda_graphs:
-        apply_cuda_graphs(plan.model)
+        apply_cuda_graphs(plan.model, host_group)
     return _runtime(plan, parts, layout, sharded, mesh, dims, config, device, pipeline_loss, param_dtype)
 
 

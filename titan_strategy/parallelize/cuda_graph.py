@@ -21,6 +21,11 @@ reads are the shards the optimizer updates in place, and the gradients it writes
 backward reduce-scatters: a replay skips the Python that would hold gradients back within an accumulation
 window, so the strategy never asks it to.
 
+Under more than one rank every graph holds collectives, so all ranks must capture, replay or run eagerly together:
+each training call, the ranks agree on the input signature over the host group (one small gloo all-reduce, no
+wait on the GPU), and a call whose shapes differ between ranks runs eagerly everywhere instead of hanging in a
+replay that its peers never join (where neither the NCCL watchdog nor the Flight Recorder would see it).
+
 Replaying assumes what capturing saw stays where it was: the parameters' storage (optimizers update in place)
 and one forward per backward. A parameter that moved, or a second graphed forward before the first one's
 backward, raises instead of training on stale memory.
@@ -31,12 +36,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import hashlib
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -61,6 +68,56 @@ def _signature(args: tuple[Any, ...]) -> Signature:
     return tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, Tensor) else ("value", a) for a in args)
 
 
+def _digest(signature: Signature) -> int:
+    """A signature as a number every rank computes alike (a 62-bit hash of its text, device indices left out)."""
+    parts = [repr(entry[1]) if entry[0] == "value" else f"{entry[0]} {entry[1]} {entry[2].type}"
+             for entry in signature]
+    return int.from_bytes(hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()) >> 2
+
+
+Decision = Literal["eager", "capture", "replay"]
+
+
+class CaptureSchedule:
+    """Which way each training call goes: eagerly while its signature warms up, then the capture, then replays of
+    that signature (any other runs eagerly). With a host ``group`` (more than one rank), every call's signature is
+    first agreed on: one that differs between ranks runs eagerly on all of them and counts towards nothing, so
+    the ranks take the same decisions in the same order."""
+
+    def __init__(self, warmup_steps: int, group: dist.ProcessGroup | None = None) -> None:
+        self.warmup_steps = warmup_steps
+        self.group = group
+        self.seen: dict[Signature, int] = {}
+        self.captured: Signature | None = None
+        self.disagreements = 0  # calls the ranks ran eagerly because their shapes differed
+
+    def decide(self, signature: Signature, shapes: str) -> Decision:
+        if not self._same_on_every_rank(signature):
+            self.disagreements += 1
+            if self.disagreements == 1:
+                rank_zero_warn(f"cuda_graphs=True: the ranks called the model with different input shapes (rank 0: "
+                               f"{shapes}), so every rank ran that call eagerly, as it will each such call. Give "
+                               "every rank batches of one shape (a fixed-length collator, drop_last=True) to replay.")
+            return "eager"
+        if self.captured is None:
+            self.seen[signature] = self.seen.get(signature, 0) + 1
+            if self.seen[signature] <= self.warmup_steps:
+                return "eager"
+            self.captured = signature
+            return "capture"
+        return "replay" if signature == self.captured else "eager"
+
+    def _same_on_every_rank(self, signature: Signature) -> bool:
+        if self.group is None:
+            return True
+        digest = _digest(signature)
+        extremes = torch.tensor([digest, -digest], dtype=torch.int64)
+        # ProcessGroup's own all-reduce (not dist.all_reduce): the tests run two ranks as threads of one process,
+        # on groups torch's registry does not know.
+        self.group.allreduce([extremes], op=dist.ReduceOp.MAX).wait()
+        return int(extremes[0]) == -int(extremes[1])
+
+
 def _address(tensor: Tensor) -> int:
     """Where a tensor's data lives: a DTensor's (an FSDP shard or its gradient) is where its local shard lives, and
     a wrapper subclass's (torchao's float8 weight) where the first tensor it wraps lives; theirs read 0."""
@@ -77,7 +134,6 @@ def _address(tensor: Tensor) -> int:
 class _Captured:
     """One captured forward and backward, and the static tensors they read and write."""
 
-    signature: Signature
     forward: torch.cuda.CUDAGraph
     backward: torch.cuda.CUDAGraph
     inputs: tuple[Any, ...]
@@ -97,12 +153,11 @@ class GraphedCall:
     """Stands in for calling the model (its hooks and ``forward``): eager until warm, then one graph replay per
     training call."""
 
-    def __init__(self, model: nn.Module, eager_call: Callable[..., Any], warmup_steps: int = WARMUP_STEPS) -> None:
+    def __init__(self, model: nn.Module, eager_call: Callable[..., Any], schedule: CaptureSchedule) -> None:
         self.model = model
         self.name = type(model).__name__  # for messages: the model's own class, not the one graphing it
         self.eager_call = eager_call
-        self.warmup_steps = warmup_steps
-        self.seen: dict[Signature, int] = {}
+        self.schedule = schedule
         self.captured: _Captured | None = None
         self.replays = 0  # training calls that replayed the graphs (release() keeps the count)
         # Resharded before the capture and before the first replay after eager work (see _reshard).
@@ -122,18 +177,16 @@ class GraphedCall:
             return self._training_call(args)
 
     def _training_call(self, args: tuple[Any, ...]) -> Any:
-        signature = _signature(args)
-        if self.captured is None:
-            self.seen[signature] = self.seen.get(signature, 0) + 1
-            if self.seen[signature] <= self.warmup_steps:
-                return self._eager_on_side_stream(args)
+        decision = self.schedule.decide(_signature(args), _shapes(args))
+        if decision == "eager":
+            return self._eager_on_side_stream(args)
+        if decision == "capture":
             self._reshard()
-            self.captured = self._capture(args, signature)
+            self.captured = self._capture(args)
             rank_zero_info(f"cuda_graphs=True: captured {self.name}'s training forward and backward "
                            f"for inputs {_shapes(args)}; every later training step of those shapes replays them.")
-        elif signature != self.captured.signature:
-            return self._eager_on_side_stream(args)
         captured = self.captured
+        assert captured is not None, "released graphs are not replayed (teardown releases them)"
         _check_parameters_stayed(captured)
         if self.ran_eagerly:
             self._reshard()
@@ -141,7 +194,7 @@ class GraphedCall:
         flat = _Replay.apply(captured, captured.anchor, *args)
         return pytree.tree_unflatten(list(flat), captured.output_spec)
 
-    def _capture(self, args: tuple[Any, ...], signature: Signature) -> _Captured:
+    def _capture(self, args: tuple[Any, ...]) -> _Captured:
         params = [p for p in self.model.parameters() if p.requires_grad]
         inputs = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
         forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -177,13 +230,13 @@ class GraphedCall:
             for param, grad in zip(params, held):
                 param.grad = grad
         anchor = torch.ones((), device=flat[0].device, requires_grad=True)
-        return _Captured(signature, forward_graph, backward_graph, inputs, flat, spec, grad_outputs, params,
+        return _Captured(forward_graph, backward_graph, inputs, flat, spec, grad_outputs, params,
                          [_address(p) for p in params], grads, anchor, forked)
 
     def release(self) -> None:
         """Drop the graphs and their memory pool. Each captured NCCL collective holds its communicator until its
         graph is destroyed, so this runs before the process group is torn down (TitanStrategy.teardown)."""
-        self.captured = None
+        self.captured = self.schedule.captured = None  # a later training call would warm up and capture anew
         torch.cuda.synchronize()
         gc.collect()  # autograd nodes of the last replay may still hold the graphs
 
@@ -219,16 +272,20 @@ def _uncached_autocast() -> contextlib.AbstractContextManager[Any]:
     return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
 
 
-def apply_cuda_graphs(model: nn.Module, warmup_steps: int = WARMUP_STEPS) -> GraphedCall:
+def apply_cuda_graphs(model: nn.Module, host_group: dist.ProcessGroup | None = None,
+                      warmup_steps: int = WARMUP_STEPS) -> GraphedCall:
     """Replay ``model``'s training forward and backward as CUDA graphs from its ``warmup_steps + 1``-th
-    training call of one input signature on (see the module docstring)."""
+    training call of one input signature on (see the module docstring). Under more than one rank, the ranks
+    agree on each call's signature over ``host_group`` (gloo)."""
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             # Eager CUDA's embedding backward reads a count back to the host (it sorts the tokens first), which
             # no graph can capture; compiled, it is one scatter-add.
             module.compile()
     eager_class = type(model)
-    graphed = GraphedCall(model, functools.partial(eager_class.__call__, model), warmup_steps)
+    several_ranks = host_group is not None and host_group.size() > 1
+    schedule = CaptureSchedule(warmup_steps, host_group if several_ranks else None)
+    graphed = GraphedCall(model, functools.partial(eager_class.__call__, model), schedule)
     # Calling a module runs its hooks around forward, and FSDP2's root does its work in hooks, so the call itself
     # is what is graphed: a subclass made for this model (as fully_shard makes one) routes __call__ to it.
     model.__class__ = type(f"CUDAGraphed{eager_class.__name__}", (eager_class,), {"__call__": _call_graphed})
