@@ -223,13 +223,15 @@ def test_ranks_capture_and_replay_together_when_their_shapes_differ() -> None:
                           torch.zeros(2, SEQ_LEN, dtype=torch.long))
     calls = {0: [full, full, full, full, other, full, short], 1: [full, other, full, full, full, full, short]}
     expected = ["eager", "eager", "eager", "capture", "eager", "replay", "eager"]
-    store, decisions, disagreements = torch.distributed.HashStore(), {}, {}
+    store, decisions, disagreements, captured_everywhere = torch.distributed.HashStore(), {}, {}, {}
 
     def rank(index: int) -> None:
         group = torch.distributed.ProcessGroupGloo(store, index, 2, timedelta(seconds=20))
         schedule = CaptureSchedule(warmup_steps=2, group=group)
         decisions[index] = [schedule.decide(_signature((tokens,)), str(tuple(tokens.shape))) for tokens in calls[index]]
         disagreements[index] = schedule.disagreements
+        # A capture that raised on one rank stops the others too (they would replay collectives it never joins).
+        captured_everywhere[index] = [schedule.captured_everywhere(True), schedule.captured_everywhere(index == 0)]
 
     threads = [threading.Thread(target=rank, args=(index,)) for index in (0, 1)]
     with pytest.warns(UserWarning, match="different input shapes .* Give every rank batches of one shape"):
@@ -240,6 +242,7 @@ def test_ranks_capture_and_replay_together_when_their_shapes_differ() -> None:
     assert not any(thread.is_alive() for thread in threads)
     assert decisions == {0: expected, 1: expected}
     assert disagreements == {0: 2, 1: 2}
+    assert captured_everywhere == {0: [True, False], 1: [True, False]}
     # Alone (no group), a rank decides from its own shapes: rank 1's sequence captures at its 4th call too, but
     # rank 0's at its 3rd, which is the divergence the agreement prevents.
     alone = CaptureSchedule(warmup_steps=2)

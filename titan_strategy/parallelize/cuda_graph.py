@@ -24,7 +24,8 @@ window, so the strategy never asks it to.
 Under more than one rank every graph holds collectives, so all ranks must capture, replay or run eagerly together:
 each training call, the ranks agree on the input signature over the host group (one small gloo all-reduce, no
 wait on the GPU), and a call whose shapes differ between ranks runs eagerly everywhere instead of hanging in a
-replay that its peers never join (where neither the NCCL watchdog nor the Flight Recorder would see it).
+replay that its peers never join (where neither the NCCL watchdog nor the Flight Recorder would see it); a capture
+that raises on one rank stops every rank.
 
 Replaying assumes what capturing saw stays where it was: the parameters' storage (optimizers update in place)
 and one forward per backward. A parameter that moved, or a second graphed forward before the first one's
@@ -92,7 +93,7 @@ class CaptureSchedule:
         self.disagreements = 0  # calls the ranks ran eagerly because their shapes differed
 
     def decide(self, signature: Signature, shapes: str) -> Decision:
-        if not self._same_on_every_rank(signature):
+        if not self._same_on_every_rank(_digest(signature)):
             self.disagreements += 1
             if self.disagreements == 1:
                 rank_zero_warn(f"cuda_graphs=True: the ranks called the model with different input shapes (rank 0: "
@@ -107,11 +108,15 @@ class CaptureSchedule:
             return "capture"
         return "replay" if signature == self.captured else "eager"
 
-    def _same_on_every_rank(self, signature: Signature) -> bool:
+    def captured_everywhere(self, captured_here: bool) -> bool:
+        """Whether every rank's capture succeeded: a rank whose capture raised must not leave the others to replay
+        collectives it never joins."""
+        return self._same_on_every_rank(int(captured_here)) and captured_here
+
+    def _same_on_every_rank(self, value: int) -> bool:
         if self.group is None:
             return True
-        digest = _digest(signature)
-        extremes = torch.tensor([digest, -digest], dtype=torch.int64)
+        extremes = torch.tensor([value, -value], dtype=torch.int64)
         # ProcessGroup's own all-reduce (not dist.all_reduce): the tests run two ranks as threads of one process,
         # on groups torch's registry does not know.
         self.group.allreduce([extremes], op=dist.ReduceOp.MAX).wait()
@@ -182,7 +187,16 @@ class GraphedCall:
             return self._eager_on_side_stream(args)
         if decision == "capture":
             self._reshard()
-            self.captured = self._capture(args)
+            try:
+                captured = self._capture(args)
+            except BaseException:
+                self.schedule.captured_everywhere(False)
+                raise
+            if not self.schedule.captured_everywhere(True):
+                raise RuntimeError(f"cuda_graphs=True: another rank could not capture {self.name}'s training forward "
+                                   "and backward (its error says why), so this rank stops too rather than replay "
+                                   "collectives that rank never joins.")
+            self.captured = captured
             rank_zero_info(f"cuda_graphs=True: captured {self.name}'s training forward and backward "
                            f"for inputs {_shapes(args)}; every later training step of those shapes replays them.")
         captured = self.captured
