@@ -4,6 +4,7 @@
 # torchtitan kit built (benchmarks/torchtitan_anchor/build_kit.sh) and carried as .tt, and for `fa4` the
 # flash-attn-4 package importable (`benchmarks/fa4_kit.sh`: two calls carry it). One lease, for example:
 #   bash benchmarks/single_gpu_acceptance.sh anchor 1b 32k     # 32k needs an H200 (over 80 GB)
+#   bash benchmarks/single_gpu_acceptance.sh anchor 1b 32k float8   # or every H200 row but FA4's in one call
 #   bash benchmarks/single_gpu_acceptance.sh fa4 8b
 #   bash benchmarks/single_gpu_acceptance.sh graphs short launches v030
 # Each run is bounded with `timeout -k` (the bounds are for hangs; a part takes about a third to half of its
@@ -35,6 +36,10 @@ for part in "$@"; do
       common=(--flavor 1B --compile --compile-loss --steps 20 --warmup 8 --attention-kernel fa4)
       throughput 100 "${common[@]}"
       throughput 110 "${common[@]}" --float8 tensorwise --reference ;;
+    float8)  # the best kernels without FA4 (a lease of one call): float8 tensorwise linears with SDPA, 1B and 8B x 16
+      throughput 100 --flavor 1B --compile --compile-loss --steps 20 --warmup 8 --float8 tensorwise
+      throughput 110 --flavor 8B --n-layers 16 --batch-size 1 --compile --compile-loss --steps 12 --warmup 5 \
+        --float8 tensorwise ;;
     short)  # a step 8x shorter (seq 2048, batch 1: ~35 ms), where the host's launches may show: eager, then graphs
       common=(--flavor 1B --seq-len 2048 --batch-size 1 --compile --compile-loss --steps 30 --warmup 10)
       throughput 100 "${common[@]}"
@@ -57,7 +62,7 @@ raise SystemExit(not installed())" 2>/dev/null; then
     v030)  # torchtitan 0.3.0 on this torch, for the record
       TT030_BUDGET=60 bash benchmarks/torchtitan_anchor/run_v030.sh > "$logs/$part.log" 2>&1
       rows 2 < "$logs/$part.log" ;;
-    *) echo "unknown part $part (graphs, anchor, 1b, fa4, short, launches, 8b, 32k, v030)" ;;
+    *) echo "unknown part $part (graphs, anchor, 1b, fa4, float8, short, launches, 8b, 32k, v030)" ;;
   esac
 done
 echo "=== done (t=$(( $(date +%s) - start ))s)"
