@@ -60,8 +60,9 @@ nothing is compiled or autotuned while capturing."""
 Signature = tuple[Any, ...]
 
 
-def _shapes(args: tuple[Any, ...]) -> str:
-    return ", ".join(str(tuple(a.shape)) if isinstance(a, Tensor) else repr(a) for a in args)
+def _shapes(signature: Signature) -> str:
+    """A signature for messages: each tensor's shape, or the value."""
+    return ", ".join(repr(entry[1]) if entry[0] == "value" else str(entry[0]) for entry in signature)
 
 
 def _signature(args: tuple[Any, ...]) -> Signature:
@@ -92,13 +93,14 @@ class CaptureSchedule:
         self.captured: Signature | None = None
         self.disagreements = 0  # calls the ranks ran eagerly because their shapes differed
 
-    def decide(self, signature: Signature, shapes: str) -> Decision:
+    def decide(self, signature: Signature) -> Decision:
         if not self._same_on_every_rank(_digest(signature)):
             self.disagreements += 1
             if self.disagreements == 1:
                 rank_zero_warn(f"cuda_graphs=True: the ranks called the model with different input shapes (rank 0: "
-                               f"{shapes}), so every rank ran that call eagerly, as it will each such call. Give "
-                               "every rank batches of one shape (a fixed-length collator, drop_last=True) to replay.")
+                               f"{_shapes(signature)}), so every rank ran that call eagerly, as it will each such "
+                               "call. Give every rank batches of one shape (a fixed-length collator, drop_last=True) "
+                               "to replay.")
             return "eager"
         if self.captured is None:
             self.seen[signature] = self.seen.get(signature, 0) + 1
@@ -182,7 +184,8 @@ class GraphedCall:
             return self._training_call(args)
 
     def _training_call(self, args: tuple[Any, ...]) -> Any:
-        decision = self.schedule.decide(_signature(args), _shapes(args))
+        signature = _signature(args)
+        decision = self.schedule.decide(signature)
         if decision == "eager":
             return self._eager_on_side_stream(args)
         if decision == "capture":
@@ -198,7 +201,7 @@ class GraphedCall:
                                    "collectives that rank never joins.")
             self.captured = captured
             rank_zero_info(f"cuda_graphs=True: captured {self.name}'s training forward and backward "
-                           f"for inputs {_shapes(args)}; every later training step of those shapes replays them.")
+                           f"for inputs {_shapes(signature)}; every later training step of those shapes replays them.")
         captured = self.captured
         assert captured is not None, "released graphs are not replayed (teardown releases them)"
         _check_parameters_stayed(captured)
