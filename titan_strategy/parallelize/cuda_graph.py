@@ -60,9 +60,11 @@ nothing is compiled or autotuned while capturing."""
 Signature = tuple[Any, ...]
 
 
-def _shapes(signature: Signature) -> str:
-    """A signature for messages: each tensor's shape, or the value."""
-    return ", ".join(repr(entry[1]) if entry[0] == "value" else str(entry[0]) for entry in signature)
+def _shapes(signature: Signature, dtypes: bool = False) -> str:
+    """A signature as text: each tensor's shape (with ``dtypes``, its dtype and device type too, never the device
+    index, which differs between ranks), or the value."""
+    return ", ".join(repr(entry[1]) if entry[0] == "value" else f"{entry[0]} {entry[1]} {entry[2].type}" if dtypes
+                     else str(entry[0]) for entry in signature)
 
 
 def _signature(args: tuple[Any, ...]) -> Signature:
@@ -71,10 +73,9 @@ def _signature(args: tuple[Any, ...]) -> Signature:
 
 
 def _digest(signature: Signature) -> int:
-    """A signature as a number every rank computes alike (a 62-bit hash of its text, device indices left out)."""
-    parts = [repr(entry[1]) if entry[0] == "value" else f"{entry[0]} {entry[1]} {entry[2].type}"
-             for entry in signature]
-    return int.from_bytes(hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()) >> 2
+    """A signature as a number every rank computes alike (a 62-bit hash of its text)."""
+    text = _shapes(signature, dtypes=True)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest()) >> 2
 
 
 Decision = Literal["eager", "capture", "replay"]
@@ -94,7 +95,7 @@ class CaptureSchedule:
         self.disagreements = 0  # calls the ranks ran eagerly because their shapes differed
 
     def decide(self, signature: Signature) -> Decision:
-        if not self._same_on_every_rank(_digest(signature)):
+        if self.group is not None and not self._same_on_every_rank(_digest(signature)):  # one rank: nothing to hash
             self.disagreements += 1
             if self.disagreements == 1:
                 rank_zero_warn(f"cuda_graphs=True: the ranks called the model with different input shapes (rank 0: "
