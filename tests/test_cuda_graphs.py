@@ -151,6 +151,26 @@ def test_a_second_forward_before_backward_and_a_moved_parameter_are_refused() ->
 
 @pytest.mark.gpu
 @needs_cuda
+def test_a_capture_that_raised_raises_again_when_caught() -> None:
+    class ReadsBack(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            return out * (out.abs().max().item() >= 0)  # .item() waits on the GPU, which no capture allows
+
+    model = ReadsBack(8, 8).cuda()
+    apply_cuda_graphs(model, warmup_steps=1)
+    x = torch.randn(2, 8, device="cuda")
+    model(x).sum().backward()  # the warm-up, eager
+    for _ in range(2):  # caught, each later call of those shapes tries to capture anew (no replay of nothing)
+        with pytest.raises(RuntimeError, match="could not capture ReadsBack's training forward and backward"):
+            model(x)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), torch.nn.functional.linear(x, model.weight, model.bias))
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="FSDP2 over NCCL needs 2 CUDA devices"))])
 def test_lightning_trains_the_same_with_cuda_graphs(devices: int, tmp_path: Path, test_env: dict[str, str]) -> None:
@@ -223,15 +243,20 @@ def test_ranks_capture_and_replay_together_when_their_shapes_differ() -> None:
                           torch.zeros(2, SEQ_LEN, dtype=torch.long))
     calls = {0: [full, full, full, full, other, full, short], 1: [full, other, full, full, full, full, short]}
     expected = ["eager", "eager", "eager", "capture", "eager", "replay", "eager"]
-    store, decisions, disagreements, captured_everywhere = torch.distributed.HashStore(), {}, {}, {}
+    store, decisions, disagreements, settled = torch.distributed.HashStore(), {}, {}, {}
 
     def rank(index: int) -> None:
         group = torch.distributed.ProcessGroupGloo(store, index, 2, timedelta(seconds=20))
-        schedule = CaptureSchedule(warmup_steps=2, group=group)
-        decisions[index] = [schedule.decide(_signature((tokens,))) for tokens in calls[index]]
+        schedule, decisions[index] = CaptureSchedule(warmup_steps=2, group=group), []
+        for tokens in calls[index]:
+            decisions[index].append(schedule.decide(_signature((tokens,))))
+            if decisions[index][-1] == "capture":
+                # A capture that raised on one rank stops the others too (they would replay collectives it never
+                # joins) and leaves nothing to replay: the next call of those shapes captures again, everywhere.
+                assert not schedule.settle_capture(_signature((tokens,)), index == 0)
+                assert schedule.decide(_signature((tokens,))) == "capture"
+                settled[index] = schedule.settle_capture(_signature((tokens,)), True)
         disagreements[index] = schedule.disagreements
-        # A capture that raised on one rank stops the others too (they would replay collectives it never joins).
-        captured_everywhere[index] = [schedule.captured_everywhere(True), schedule.captured_everywhere(index == 0)]
 
     threads = [threading.Thread(target=rank, args=(index,)) for index in (0, 1)]
     shapes_differ = r"different input shapes \(rank 0: \(4, \d+\)\).* Give every rank batches of one shape"
@@ -243,7 +268,7 @@ def test_ranks_capture_and_replay_together_when_their_shapes_differ() -> None:
     assert not any(thread.is_alive() for thread in threads)
     assert decisions == {0: expected, 1: expected}
     assert disagreements == {0: 2, 1: 2}
-    assert captured_everywhere == {0: [True, False], 1: [True, False]}
+    assert settled == {0: True, 1: True}
     # Alone (no group), a rank decides from its own shapes: rank 1's sequence captures at its 4th call too, but
     # rank 0's at its 3rd, which is the divergence the agreement prevents.
     alone = CaptureSchedule(warmup_steps=2)

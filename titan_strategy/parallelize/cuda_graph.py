@@ -105,16 +105,17 @@ class CaptureSchedule:
             return "eager"
         if self.captured is None:
             self.seen[signature] = self.seen.get(signature, 0) + 1
-            if self.seen[signature] <= self.warmup_steps:
-                return "eager"
-            self.captured = signature
-            return "capture"
+            return "eager" if self.seen[signature] <= self.warmup_steps else "capture"
         return "replay" if signature == self.captured else "eager"
 
-    def captured_everywhere(self, captured_here: bool) -> bool:
-        """Whether every rank's capture succeeded: a rank whose capture raised must not leave the others to replay
-        collectives it never joins."""
-        return self._same_on_every_rank(int(captured_here)) and captured_here
+    def settle_capture(self, signature: Signature, captured_here: bool) -> bool:
+        """Whether every rank captured ``signature``: a rank whose capture raised must not leave the others to
+        replay collectives it never joins. Only then do later calls of it replay; otherwise the next one captures
+        anew (on every rank), so a caught failure never leaves a schedule pointing at graphs that do not exist."""
+        everywhere = self._same_on_every_rank(int(captured_here)) and captured_here
+        if everywhere:
+            self.captured = signature
+        return everywhere
 
     def _same_on_every_rank(self, value: int) -> bool:
         if self.group is None:
@@ -194,9 +195,9 @@ class GraphedCall:
             try:
                 captured = self._capture(args)
             except BaseException:
-                self.schedule.captured_everywhere(False)
+                self.schedule.settle_capture(signature, False)
                 raise
-            if not self.schedule.captured_everywhere(True):
+            if not self.schedule.settle_capture(signature, True):
                 raise RuntimeError(f"cuda_graphs=True: another rank could not capture {self.name}'s training forward "
                                    "and backward (its error says why), so this rank stops too rather than replay "
                                    "collectives that rank never joins.")
