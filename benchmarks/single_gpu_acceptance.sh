@@ -56,13 +56,17 @@ for part in "$@"; do
 raise SystemExit(not installed())" 2>/dev/null; then
         throughput 110 "${common[@]}" --float8 tensorwise --attention-kernel fa4
       fi ;;
+    lastbatch)  # the 1B step with graphs and a short last batch (eager, beside the graphs' pool): its peak memory
+      throughput 120 --flavor 1B --compile --compile-loss --steps 12 --warmup 5 --cuda-graphs --short-last-batch ;;
+    agreement)  # what the ranks' agreement on each graphed call costs the host (gloo processes on this machine)
+      for ranks in 2 8; do bounded 120 python3 benchmarks/capture_agreement.py --ranks "$ranks" --calls 2000; done ;;
     32k)  # 8B width x 16 layers at 32k with full AC (over 80 GB: an H200)
       throughput 150 --flavor 8B --n-layers 16 --batch-size 1 --compile --compile-loss --seq-len 32768 \
         --activation-checkpointing full --steps 5 --warmup 2 ;;
     v030)  # torchtitan 0.3.0 on this torch, for the record
       TT030_BUDGET=60 bash benchmarks/torchtitan_anchor/run_v030.sh > "$logs/$part.log" 2>&1
       rows 2 < "$logs/$part.log" ;;
-    *) echo "unknown part $part (graphs, anchor, 1b, fa4, float8, short, launches, 8b, 32k, v030)" ;;
+    *) echo "unknown part $part (graphs, anchor, 1b, fa4, float8, short, launches, lastbatch, agreement, 8b, 32k, v030)" ;;
   esac
 done
 echo "=== done (t=$(( $(date +%s) - start ))s)"

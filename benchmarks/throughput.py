@@ -146,7 +146,8 @@ def _strategy_knobs(row: dict[str, Any]) -> dict[str, Any]:
 
 def _loader(row: dict[str, Any], vocab: int) -> DataLoader:
     documents = row["attention_mask"] == "block_causal"
-    return DataLoader(RandomTokens(row["steps"] * row["batch_size"], row["seq_len"], vocab, documents),
+    samples = row["steps"] * row["batch_size"] - (1 if row["short_last_batch"] else 0)
+    return DataLoader(RandomTokens(samples, row["seq_len"], vocab, documents),
                       batch_size=row["batch_size"], num_workers=2, pin_memory=True)
 
 
@@ -265,7 +266,7 @@ def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     common = {"seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "profile": args.profile,
               "attention_kernel": args.attention_kernel, "attention_mask": args.attention_mask, "adamw": args.adamw,
               "cross_entropy": args.cross_entropy, "loss_chunk_tokens": args.loss_chunk_tokens,
-              "cuda_graphs": args.cuda_graphs}
+              "cuda_graphs": args.cuda_graphs, "short_last_batch": args.short_last_batch}
     if args.matrix is None:
         shape = {"flavor": args.flavor, "n_layers": args.n_layers, "batch_size": args.batch_size}
         return [{**shape, **common, "compile": args.compile, "compile_loss": args.compile_loss,
@@ -284,6 +285,7 @@ def _table(results: list[dict[str, Any]]) -> str:
     for r in results:
         run, plain = r["lightning"], r.get("plain")
         shape = r["flavor"] if r["n_layers"] is None else f"{r['flavor']} width x {r['n_layers']} layers"
+        shape += ", last batch short" if r.get("short_last_batch") else ""
         attended = f" ({run['mfu_attended_percent']}%)" if run.get("mfu_attended_percent") is not None else ""
         speed = "OOM | —" if run.get("oom") else f"{run['tokens_per_s']:,} | {run['mfu_percent']}%{attended}"
         memory = f"{run['peak_memory_gib']} / {run.get('peak_reserved_gib', '—')}"
@@ -320,6 +322,9 @@ def main() -> None:
     parser.add_argument("--compile-loss", action="store_true", help="torch.compile the loss")
     parser.add_argument("--cuda-graphs", action="store_true", help="replay the model's forward and backward as "
                         "CUDA graphs (TitanStrategy(cuda_graphs=True); the plain loop too)")
+    parser.add_argument("--short-last-batch", action="store_true", help="one sample fewer, so the last batch is "
+                        "short: with --cuda-graphs it runs eagerly beside the graphs' memory pool, and the peak shows "
+                        "what that costs (its tokens/s then include a recompile for the new shape)")
     parser.add_argument("--activation-checkpointing", default="none",
                         choices=["none", "full", "selective_op", "selective_layer"])
     parser.add_argument("--float8", default="none", choices=["none", "tensorwise", "rowwise"])
@@ -337,6 +342,9 @@ def main() -> None:
     parser.add_argument("--results", type=Path, help="append a dated section with the table to this Markdown file")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row's JSON, run in this process
     args = parser.parse_args()
+    if args.short_last_batch and args.batch_size < 2:
+        parser.error(f"--short-last-batch takes a sample off the last batch, which --batch-size {args.batch_size} "
+                     "cannot spare; pass --batch-size 2 or more")
     if args.row:
         print("ROW " + json.dumps(run_row(json.loads(args.row))), flush=True)
         return
