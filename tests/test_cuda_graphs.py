@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from llama_module import LlamaModule
@@ -28,7 +29,13 @@ from titan_strategy import TitanStrategy
 from titan_strategy.config import TitanConfig
 from titan_strategy.mesh import ParallelDims
 from titan_strategy.parallelize import _resolve_units
-from titan_strategy.parallelize.cuda_graph import CaptureSchedule, _digest, _signature, apply_cuda_graphs
+from titan_strategy.parallelize.cuda_graph import (
+    CaptureSchedule,
+    _check_gradient_sync,
+    _digest,
+    _signature,
+    apply_cuda_graphs,
+)
 from titan_strategy.parallelize.fsdp import apply_fsdp, no_gradient_sync
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -147,6 +154,28 @@ def test_a_second_forward_before_backward_and_a_moved_parameter_are_refused() ->
     module.model.output.weight.data = module.model.output.weight.data.clone()
     with pytest.raises(RuntimeError, match="now lives elsewhere .* update parameters in place"):
         module.token_loss(batch)
+
+
+@pytest.mark.unit
+def test_gradient_sync_turned_off_by_the_caller_is_refused() -> None:
+    # A user's own set_requires_gradient_sync(False) (manual accumulation, as under ModelParallelStrategy) would
+    # hold an eager backward's gradients back for an eager backward that replays never make.
+    with one_rank_mesh("cpu", "dp_shard") as mesh:
+        module = _module()
+        apply_fsdp(module.model, _resolve_units(module.parallel_plan(), module.model), mesh, param_dtype=None,
+                   reduce_dtype=None, reshard_after_forward="default")
+        fsdp_modules = [m for m in module.model.modules() if isinstance(m, FSDPModule)]
+        _check_gradient_sync(module.model, fsdp_modules)
+        model = module.model
+        turned_off = {"'layers.1'": lambda: model.layers["1"].set_requires_gradient_sync(False, recurse=False),
+                      "'tok_embeddings'": lambda: model.tok_embeddings.set_requires_all_reduce(False)}
+        for named, turn_off in turned_off.items():
+            turn_off()
+            with pytest.raises(RuntimeError, match=f"gradient sync is off on the model's FSDP2 module {named}.*"
+                                                   "remove the call, or set cuda_graphs=False"):
+                _check_gradient_sync(module.model, fsdp_modules)
+            module.model.set_requires_gradient_sync(True)
+        _check_gradient_sync(module.model, fsdp_modules)
 
 
 @pytest.mark.gpu

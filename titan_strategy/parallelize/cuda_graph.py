@@ -186,6 +186,7 @@ class GraphedCall:
             return self._training_call(args)
 
     def _training_call(self, args: tuple[Any, ...]) -> Any:
+        _check_gradient_sync(self.model, self.fsdp_modules)
         signature = _signature(args)
         decision = self.schedule.decide(signature)
         if decision == "eager":
@@ -339,6 +340,27 @@ def _capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream
         yield
         for other in forked:
             stream.wait_stream(other)
+
+
+def _check_gradient_sync(model: nn.Module, fsdp_modules: list[FSDPModule]) -> None:
+    """Refuse FSDP2 gradient sync turned off by the caller (the strategy never turns it off under graphs): a replayed
+    backward reduces its gradients as its capture did whatever the setting, and an eager one (a warm-up, a short
+    batch) would keep its unsharded gradients for a later eager backward that may never come, so a window ending
+    in a replay would step without them."""
+    for module in fsdp_modules:
+        state = module._get_fsdp_state()
+        # torch 2.13 keeps a list of parameter groups per module; torch 2.11 keeps one (or None).
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+        if any(not (group.reduce_grads and group.all_reduce_grads) for group in groups):
+            name = next(name for name, candidate in model.named_modules() if candidate is module) or "the root"
+            raise RuntimeError(
+                f"cuda_graphs=True: gradient sync is off on the model's FSDP2 module {name!r} "
+                "(set_requires_gradient_sync(False) or set_requires_all_reduce(False)), but a replayed backward "
+                "reduces its gradients every time, as its capture did, and an eager one would hold them back for a "
+                "backward no replay makes. TitanStrategy accumulates gradients without it under graphs: remove the "
+                "call, or set cuda_graphs=False.")
 
 
 def _check_parameters_stayed(captured: _Captured) -> None:
