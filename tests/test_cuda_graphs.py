@@ -289,7 +289,8 @@ def test_ranks_capture_and_replay_together_when_their_shapes_differ() -> None:
 
     threads = [threading.Thread(target=rank, args=(index,)) for index in (0, 1)]
     shapes_differ = r"different input shapes \(rank 0: \(4, \d+\)\).* Give every rank batches of one shape"
-    with pytest.warns(UserWarning, match=shapes_differ):
+    ran_eagerly = r"shapes \(2, 32\) \(the graphs are of \(4, 32\)\) ran eagerly"  # the 7th call, agreed on
+    with pytest.warns(UserWarning, match=ran_eagerly), pytest.warns(UserWarning, match=shapes_differ):
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -302,6 +303,12 @@ def test_ranks_capture_and_replay_together_when_their_shapes_differ() -> None:
     # rank 0's at its 3rd, which is the divergence the agreement prevents.
     alone = CaptureSchedule(warmup_steps=2)
     assert [alone.decide(_signature((tokens,))) for tokens in calls[0]][:3] == ["eager", "eager", "capture"]
+    # Once captured, a call of other shapes (a short last batch) runs eagerly and says once what that costs.
+    assert alone.settle_capture(_signature((full,)), True)
+    with pytest.warns(UserWarning, match=ran_eagerly + ".* 11 GiB more"):
+        assert alone.decide(_signature((short,))) == "eager"
+    assert [alone.decide(_signature((tokens,))) for tokens in (full, short)] == ["replay", "eager"]
+    assert alone.uncaptured_calls == 2
 
 
 @pytest.mark.unit

@@ -93,6 +93,7 @@ class CaptureSchedule:
         self.seen: dict[Signature, int] = {}
         self.captured: Signature | None = None
         self.disagreements = 0  # calls the ranks ran eagerly because their shapes differed
+        self.uncaptured_calls = 0  # calls of other shapes after the capture, run eagerly
 
     def decide(self, signature: Signature) -> Decision:
         if self.group is not None and not self._same_on_every_rank(_digest(signature)):  # one rank: nothing to hash
@@ -106,7 +107,16 @@ class CaptureSchedule:
         if self.captured is None:
             self.seen[signature] = self.seen.get(signature, 0) + 1
             return "eager" if self.seen[signature] <= self.warmup_steps else "capture"
-        return "replay" if signature == self.captured else "eager"
+        if signature == self.captured:
+            return "replay"
+        self.uncaptured_calls += 1
+        if self.uncaptured_calls == 1:
+            rank_zero_warn(f"cuda_graphs=True: a training call of shapes {_shapes(signature)} (the graphs are of "
+                           f"{_shapes(self.captured)}) ran eagerly, as each call of other shapes will: it compiles "
+                           "anew for those shapes and needs activation memory of its own beside the graphs' pool (at "
+                           "the 1B shape, a short last batch reserved 11 GiB more). Give every batch one shape "
+                           "(drop_last=True, a fixed-length collator) to replay them all.")
+        return "eager"
 
     def settle_capture(self, signature: Signature, captured_here: bool) -> bool:
         """Whether every rank captured ``signature``: a rank whose capture raised must not leave the others to
