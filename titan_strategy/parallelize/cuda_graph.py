@@ -29,7 +29,8 @@ that raises on one rank stops every rank.
 
 Replaying assumes what capturing saw stays where it was: the parameters' storage (optimizers update in place)
 and one forward per backward. A parameter that moved, or a second graphed forward before the first one's
-backward, raises instead of training on stale memory.
+backward, raises instead of training on stale memory; so does FSDP2 gradient sync turned off by the caller, which
+replays would ignore.
 """
 
 from __future__ import annotations
