@@ -31,8 +31,8 @@ from titan_strategy.mesh import ParallelDims
 from titan_strategy.parallelize import _resolve_units
 from titan_strategy.parallelize.cuda_graph import (
     CaptureSchedule,
-    _check_gradient_sync,
     _digest,
+    _gradient_sync_refusal,
     _signature,
     apply_cuda_graphs,
 )
@@ -165,7 +165,7 @@ def test_gradient_sync_turned_off_by_the_caller_is_refused() -> None:
         apply_fsdp(module.model, _resolve_units(module.parallel_plan(), module.model), mesh, param_dtype=None,
                    reduce_dtype=None, reshard_after_forward="default")
         fsdp_modules = [m for m in module.model.modules() if isinstance(m, FSDPModule)]
-        _check_gradient_sync(module.model, fsdp_modules)
+        assert _gradient_sync_refusal(module.model, fsdp_modules) is None
         model = module.model
         turned_off = {"'layers.1'": lambda: model.layers["1"].set_requires_gradient_sync(False, recurse=False),
                       "'tok_embeddings'": lambda: model.tok_embeddings.set_requires_all_reduce(False)}
@@ -173,9 +173,9 @@ def test_gradient_sync_turned_off_by_the_caller_is_refused() -> None:
             turn_off()
             with pytest.raises(RuntimeError, match=f"gradient sync is off on the model's FSDP2 module {named}.*"
                                                    "remove the call, or set cuda_graphs=False"):
-                _check_gradient_sync(module.model, fsdp_modules)
+                CaptureSchedule(warmup_steps=2).decide((), _gradient_sync_refusal(module.model, fsdp_modules))
             module.model.set_requires_gradient_sync(True)
-        _check_gradient_sync(module.model, fsdp_modules)
+        assert _gradient_sync_refusal(module.model, fsdp_modules) is None
 
 
 @pytest.mark.gpu
@@ -272,7 +272,7 @@ def test_ranks_capture_and_replay_together_when_their_shapes_differ() -> None:
                           torch.zeros(2, SEQ_LEN, dtype=torch.long))
     calls = {0: [full, full, full, full, other, full, short], 1: [full, other, full, full, full, full, short]}
     expected = ["eager", "eager", "eager", "capture", "eager", "replay", "eager"]
-    store, decisions, disagreements, settled = torch.distributed.HashStore(), {}, {}, {}
+    store, decisions, disagreements, settled, refusals = torch.distributed.HashStore(), {}, {}, {}, {}
 
     def rank(index: int) -> None:
         group = torch.distributed.ProcessGroupGloo(store, index, 2, timedelta(seconds=20))
@@ -286,6 +286,10 @@ def test_ranks_capture_and_replay_together_when_their_shapes_differ() -> None:
                 assert schedule.decide(_signature((tokens,))) == "capture"
                 settled[index] = schedule.settle_capture(_signature((tokens,)), True)
         disagreements[index] = schedule.disagreements
+        # Gradient sync turned off on rank 1 alone: both ranks raise at that call, neither waits for the other.
+        with pytest.raises(RuntimeError) as raised:
+            schedule.decide(_signature((full,)), "sync is off here" if index == 1 else None)
+        refusals[index] = str(raised.value)
 
     threads = [threading.Thread(target=rank, args=(index,)) for index in (0, 1)]
     shapes_differ = r"different input shapes \(rank 0: \(4, \d+\)\).* Give every rank batches of one shape"
@@ -299,6 +303,8 @@ def test_ranks_capture_and_replay_together_when_their_shapes_differ() -> None:
     assert decisions == {0: expected, 1: expected}
     assert disagreements == {0: 2, 1: 2}
     assert settled == {0: True, 1: True}
+    assert refusals == {0: "cuda_graphs=True: another rank cannot train on (its error says why), so this rank stops "
+                           "too rather than wait in collectives that rank never joins.", 1: "sync is off here"}
     # Alone (no group), a rank decides from its own shapes: rank 1's sequence captures at its 4th call too, but
     # rank 0's at its 3rd, which is the divergence the agreement prevents.
     alone = CaptureSchedule(warmup_steps=2)

@@ -25,7 +25,7 @@ Under more than one rank every graph holds collectives, so all ranks must captur
 each training call, the ranks agree on the input signature over the host group (one small gloo all-reduce, no
 wait on the GPU), and a call whose shapes differ between ranks runs eagerly everywhere instead of hanging in a
 replay that its peers never join (where neither the NCCL watchdog nor the Flight Recorder would see it); a capture
-that raises on one rank stops every rank.
+that raises on one rank, or gradient sync turned off on one, stops every rank.
 
 Replaying assumes what capturing saw stays where it was: the parameters' storage (optimizers update in place)
 and one forward per backward. A parameter that moved, or a second graphed forward before the first one's
@@ -96,8 +96,17 @@ class CaptureSchedule:
         self.disagreements = 0  # calls the ranks ran eagerly because their shapes differed
         self.uncaptured_calls = 0  # calls of other shapes after the capture, run eagerly
 
-    def decide(self, signature: Signature) -> Decision:
-        if self.group is not None and not self._same_on_every_rank(_digest(signature)):  # one rank: nothing to hash
+    def decide(self, signature: Signature, refusal: str | None = None) -> Decision:
+        """The way this call goes. ``refusal`` says why this rank cannot train on: it is raised only after the
+        agreement, and every other rank raises with it, so none is left waiting in a collective this one leaves."""
+        digest = 0 if self.group is None else _digest(signature)  # one rank: nothing to hash
+        same, refused_somewhere = self._agree(digest, refusal is not None)
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        if refused_somewhere:
+            raise RuntimeError("cuda_graphs=True: another rank cannot train on (its error says why), so this rank "
+                               "stops too rather than wait in collectives that rank never joins.")
+        if not same:
             self.disagreements += 1
             if self.disagreements == 1:
                 rank_zero_warn(f"cuda_graphs=True: the ranks called the model with different input shapes (rank 0: "
@@ -123,19 +132,21 @@ class CaptureSchedule:
         """Whether every rank captured ``signature``: a rank whose capture raised must not leave the others to
         replay collectives it never joins. Only then do later calls of it replay; otherwise the next one captures
         anew (on every rank), so a caught failure never leaves a schedule pointing at graphs that do not exist."""
-        everywhere = self._same_on_every_rank(int(captured_here)) and captured_here
-        if everywhere:
+        _, failed_somewhere = self._agree(0, not captured_here)
+        if not failed_somewhere:
             self.captured = signature
-        return everywhere
+        return not failed_somewhere
 
-    def _same_on_every_rank(self, value: int) -> bool:
+    def _agree(self, value: int, flag: bool) -> tuple[bool, bool]:
+        """Whether every rank holds the same ``value``, and whether any rank raised ``flag``: one all-reduce (MAX)
+        of ``[value, -value, flag]``, whose first two entries meet only where the values do."""
         if self.group is None:
-            return True
-        extremes = torch.tensor([value, -value], dtype=torch.int64)
+            return True, flag
+        extremes = torch.tensor([value, -value, int(flag)], dtype=torch.int64)
         # ProcessGroup's own all-reduce (not dist.all_reduce): the tests run two ranks as threads of one process,
         # on groups torch's registry does not know.
         self.group.allreduce([extremes], op=dist.ReduceOp.MAX).wait()
-        return int(extremes[0]) == -int(extremes[1])
+        return int(extremes[0]) == -int(extremes[1]), bool(extremes[2])
 
 
 def _address(tensor: Tensor) -> int:
@@ -197,9 +208,8 @@ class GraphedCall:
             return self._training_call(args)
 
     def _training_call(self, args: tuple[Any, ...]) -> Any:
-        _check_gradient_sync(self.model, self.fsdp_modules)
         signature = _signature(args)
-        decision = self.schedule.decide(signature)
+        decision = self.schedule.decide(signature, _gradient_sync_refusal(self.model, self.fsdp_modules))
         if decision == "eager":
             return self._eager_on_side_stream(args)
         if decision == "capture":
@@ -353,11 +363,11 @@ def _capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream
             stream.wait_stream(other)
 
 
-def _check_gradient_sync(model: nn.Module, fsdp_modules: list[FSDPModule]) -> None:
-    """Refuse FSDP2 gradient sync turned off by the caller (the strategy never turns it off under graphs): a replayed
-    backward reduces its gradients as its capture did whatever the setting, and an eager one (a warm-up, a short
-    batch) would keep its unsharded gradients for a later eager backward that may never come, so a window ending
-    in a replay would step without them."""
+def _gradient_sync_refusal(model: nn.Module, fsdp_modules: list[FSDPModule]) -> str | None:
+    """Why FSDP2 gradient sync turned off by the caller is refused (None while it is on; the strategy never turns it
+    off under graphs): a replayed backward reduces its gradients as its capture did whatever the setting, and an
+    eager one (a warm-up, a short batch) would keep its unsharded gradients for a later eager backward that may never
+    come, so a window ending in a replay would step without them."""
     for module in fsdp_modules:
         state = module._get_fsdp_state()
         # torch 2.13 keeps a list of parameter groups per module; torch 2.11 keeps one (or None).
@@ -366,12 +376,13 @@ def _check_gradient_sync(model: nn.Module, fsdp_modules: list[FSDPModule]) -> No
             groups = [] if state._fsdp_param_group is None else [state._fsdp_param_group]
         if any(not (group.reduce_grads and group.all_reduce_grads) for group in groups):
             name = next(name for name, candidate in model.named_modules() if candidate is module) or "the root"
-            raise RuntimeError(
+            return (
                 f"cuda_graphs=True: gradient sync is off on the model's FSDP2 module {name!r} "
                 "(set_requires_gradient_sync(False) or set_requires_all_reduce(False)), but a replayed backward "
                 "reduces its gradients every time, as its capture did, and an eager one would hold them back for a "
                 "backward no replay makes. TitanStrategy accumulates gradients without it under graphs: remove the "
                 "call, or set cuda_graphs=False.")
+    return None
 
 
 def _check_parameters_stayed(captured: _Captured) -> None:
