@@ -1,6 +1,6 @@
 """What the ranks' agreement costs a step under cuda_graphs: one ``CaptureSchedule.decide`` per graphed training call,
-that is, hashing the call's signature and one MAX all-reduce of three int64 (the digest,
-its negation and a refusal flag) on the host (gloo) group.
+that is, hashing the call's signature and one MAX all-reduce of three int64 (the digest, its negation and a refusal
+flag) on the host (gloo) group.
 
     python benchmarks/capture_agreement.py --ranks 2 --calls 2000
     python benchmarks/capture_agreement.py --ranks 8
