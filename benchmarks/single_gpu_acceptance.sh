@@ -62,13 +62,17 @@ raise SystemExit(not installed())" 2>/dev/null; then
       throughput 120 "${common[@]}" --short-last-batch ;;
     agreement)  # what the ranks' agreement on each graphed call costs the host (gloo processes on this machine)
       for ranks in 2 8; do bounded 120 python3 benchmarks/capture_agreement.py --ranks "$ranks" --calls 2000; done ;;
+    batch4)  # the 1B step at batch 4: the plain loss (full-vocabulary logits), then the chunked one (the default)
+      common=(--flavor 1B --batch-size 4 --compile --compile-loss --steps 14 --warmup 6)
+      throughput 120 "${common[@]}" --cross-entropy logits
+      throughput 120 "${common[@]}" ;;
     32k)  # 8B width x 16 layers at 32k with full AC (over 80 GB: an H200)
       throughput 150 --flavor 8B --n-layers 16 --batch-size 1 --compile --compile-loss --seq-len 32768 \
         --activation-checkpointing full --steps 5 --warmup 2 ;;
     v030)  # torchtitan 0.3.0 on this torch, for the record
       TT030_BUDGET=60 bash benchmarks/torchtitan_anchor/run_v030.sh > "$logs/$part.log" 2>&1
       rows 2 < "$logs/$part.log" ;;
-    *) echo "unknown part $part (graphs, anchor, 1b, fa4, float8, short, launches, lastbatch, agreement, 8b, 32k, v030)" ;;
+    *) echo "unknown part $part (graphs, anchor, 1b, fa4, float8, short, launches, lastbatch, agreement, batch4, 8b, 32k, v030)" ;;
   esac
 done
 echo "=== done (t=$(( $(date +%s) - start ))s)"
