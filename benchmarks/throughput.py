@@ -323,8 +323,8 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true", help="replay the model's forward and backward as "
                         "CUDA graphs (TitanStrategy(cuda_graphs=True); the plain loop too)")
     parser.add_argument("--short-last-batch", action="store_true", help="one sample fewer, so the last batch is "
-                        "short: with --cuda-graphs it runs eagerly beside the graphs' memory pool, and the peak shows "
-                        "what that costs (its tokens/s then include a recompile for the new shape)")
+                        "short: with --cuda-graphs it replays the graphs padded (LlamaModule's short_batch_padding), "
+                        "and the peak shows whether it needs memory beside the graphs' pool")
     parser.add_argument("--activation-checkpointing", default="none",
                         choices=["none", "full", "selective_op", "selective_layer"])
     parser.add_argument("--float8", default="none", choices=["none", "tensorwise", "rowwise"])

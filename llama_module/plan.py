@@ -23,6 +23,7 @@ from titan_strategy.plan import (
     PipelinePlan,
     TensorParallelPlan,
 )
+from titan_strategy.token_loss import IGNORE_INDEX
 
 __all__ = ["llama_plan", "llama_tp_styles"]
 
@@ -104,6 +105,8 @@ def llama_plan(model: Llama, log_loss: Callable[[str, Tensor], None] | None = No
     # Attention is the one place tokens meet; RoPE positions and the mask follow the tokens' window indices.
     context_parallel = ContextParallelPlan(attention="layers.*.attention.sdpa", buffers={"documents.token_index": 0},
                                            whole_batch={"document_ids": 1} if documents else {})
+    # Samples never meet (attention stays within each one) and the loss ignores labels of -100, so a short batch
+    # padded with copies of its first sample, unlabelled, replays CUDA graphs: Llama(tokens, document_ids, labels).
     return ParallelPlan(model=model, fsdp_units=units, init_weights=model.init_weights, blocks=blocks,
                         tensor_parallel=tensor_parallel, pipeline=pipeline, context_parallel=context_parallel,
-                        float8_skip=("output",))
+                        float8_skip=("output",), short_batch_padding=(None, None, IGNORE_INDEX))

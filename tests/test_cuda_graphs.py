@@ -32,6 +32,7 @@ from titan_strategy.parallelize import _resolve_units
 from titan_strategy.parallelize.cuda_graph import (
     CaptureSchedule,
     _digest,
+    _fill,
     _gradient_sync_refusal,
     _signature,
     apply_cuda_graphs,
@@ -87,19 +88,22 @@ def _train(module: LlamaModule, batches: list[dict[str, torch.Tensor]], accumula
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("cross_entropy", "accumulate", "autocast"), [
-    ("chunked", 1, False), ("chunked", 2, False), ("logits", 1, False), ("logits", 2, False), ("chunked", 2, True)])
-def test_graphed_training_matches_eager(cross_entropy: str, accumulate: int, autocast: bool) -> None:
-    # 9 full batches, then a short one (another signature: eager), then full ones again (replayed). Under autocast
-    # the capture turns autocast's cast cache off, and compiled code (here the embedding) is guarded on it: the
-    # warm-ups run that way too, or the capture would recompile, which fails (the Lightning test below did).
+@pytest.mark.parametrize(("cross_entropy", "accumulate", "autocast", "padded"), [
+    ("chunked", 1, False, False), ("chunked", 2, False, False), ("logits", 1, False, False),
+    ("logits", 2, False, False), ("chunked", 2, True, False), ("chunked", 2, False, True), ("logits", 1, False, True)])
+def test_graphed_training_matches_eager(cross_entropy: str, accumulate: int, autocast: bool, padded: bool) -> None:
+    # 9 full batches, then a short one (another signature: eager, or with the Llama plan's short_batch_padding a
+    # padded replay), then full ones again (replayed). Under autocast the capture turns autocast's cast cache off,
+    # and compiled code (here the embedding) is guarded on it: the warm-ups run that way too, or the capture would
+    # recompile, which fails (the Lightning test below did).
     batches = _batches([2] * 9 + [1] + [2] * 4)
     eager, graphed = _module(cross_entropy).cuda(), _module(cross_entropy).cuda()
-    forward = apply_cuda_graphs(graphed.model)
+    padding = graphed.parallel_plan().short_batch_padding if padded else None
+    forward = apply_cuda_graphs(graphed.model, short_batch_padding=padding)
     tolerance = 1e-4 if autocast else 1e-5
     assert _train(graphed, batches, accumulate, autocast) == pytest.approx(_train(eager, batches, accumulate, autocast),
                                                                            rel=tolerance)
-    assert forward.replays == 13 - 2  # all full batches after warmup
+    assert forward.replays == 14 - 2 - (not padded)  # every batch after the warm-ups, the short one if padded
     for ours, theirs in zip(graphed.parameters(), eager.parameters()):
         torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=1e-6)
 
@@ -114,9 +118,10 @@ def fsdp_mesh_of_one() -> Generator[DeviceMesh, None, None]:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(("accumulate", "param_dtype"), [(1, None), (2, None), (2, torch.bfloat16)])
+@pytest.mark.parametrize(("accumulate", "param_dtype", "padded"),
+                         [(1, None, False), (2, None, False), (2, torch.bfloat16, False), (2, None, True)])
 def test_fsdp_graphed_training_matches_eager(fsdp_mesh_of_one: DeviceMesh, accumulate: int,
-                                             param_dtype: torch.dtype | None) -> None:
+                                             param_dtype: torch.dtype | None, padded: bool) -> None:
     # The eager run holds the reduce-scatter back within each accumulation window, the graphed one reduce-scatters
     # every backward (as its capture did): the same sums. bf16 parameters with fp32 reductions: FSDP's mixed
     # precision, the cast of each shard captured with the all-gather.
@@ -127,12 +132,13 @@ def test_fsdp_graphed_training_matches_eager(fsdp_mesh_of_one: DeviceMesh, accum
         plan = module.parallel_plan()
         apply_fsdp(module.model, _resolve_units(plan, module.model), fsdp_mesh_of_one, param_dtype=param_dtype,
                    reduce_dtype=torch.float32 if param_dtype else None, reshard_after_forward="default")
-        graphed = apply_cuda_graphs(module.model) if graphs else None
+        padding = plan.short_batch_padding if padded else None
+        graphed = apply_cuda_graphs(module.model, short_batch_padding=padding) if graphs else None
         runs[graphs] = _train(module, batches, accumulate, hold_back_sync=not graphs), module
     tolerance = 1e-3 if param_dtype else 1e-5
     (eager_losses, eager), (graphed_losses, graphed_module) = runs[False], runs[True]
     assert graphed_losses == pytest.approx(eager_losses, rel=tolerance)
-    assert graphed is not None and graphed.replays == 13 - 2
+    assert graphed is not None and graphed.replays == 14 - 2 - (not padded)
     for ours, theirs in zip(graphed_module.parameters(), eager.parameters()):
         assert isinstance(ours, DTensor)
         torch.testing.assert_close(ours.full_tensor(), theirs.full_tensor(), rtol=tolerance, atol=1e-5)
@@ -205,15 +211,16 @@ def test_a_capture_that_raised_raises_again_when_caught() -> None:
 def test_lightning_trains_the_same_with_cuda_graphs(devices: int, tmp_path: Path, test_env: dict[str, str]) -> None:
     # Compiled blocks, bf16 weights with fp32 masters (FSDP2's bf16 parameters and fp32 reductions on 2 devices,
     # whose graphs then hold NCCL's all-gathers and reduce-scatters), accumulation windows of 2 batches, clipping,
-    # validation within each epoch, and 22 samples a rank in batches of 4: every sixth batch is a short one
-    # (eager), at the end of each epoch. A hang fails the launch at its timeout.
+    # validation within each epoch, and 22 samples a rank in batches of 4: every sixth batch is a short one, at the
+    # end of each epoch, which replays padded (the Llama plan declares short_batch_padding). A hang fails the launch
+    # at its timeout.
     spec = RunSpec(steps=8, batch_size=4, samples=22 * devices, accumulate=2, clip=1.0, validate=True, val_every=4,
                    accelerator="cuda", precision="bf16-mixed", timeout_seconds=120, strategy={"compile": True})
     eager = launch(devices, spec, tmp_path / "eager", test_env, timeout_s=150)
     graphed = launch(devices, replace(spec, strategy={"compile": True, "cuda_graphs": True}), tmp_path / "graphed",
                      test_env, timeout_s=150)
     for ours, theirs in zip(graphed, eager):
-        assert ours["graph_replays"] == 16 - 2 - 2  # 16 batches, 2 of them short, 2 eager warm-ups
+        assert ours["graph_replays"] == 16 - 2  # 16 batches (2 of them short, padded), 2 eager warm-ups
         assert ours["graphs_released"]  # before the process group went (captured collectives hold it)
         losses = series(ours, "train_loss", accumulate=2)
         assert losses == pytest.approx(series(theirs, "train_loss", accumulate=2), rel=1e-3), losses
@@ -329,3 +336,39 @@ def test_the_agreed_signature_leaves_out_which_device_a_rank_has() -> None:
     assert rank0 != on((4, 8), torch.int32, torch.device("cuda", 0))
     assert rank0 != on((4, 8), torch.long, torch.device("cpu"))
     assert _digest((("value", 3),)) != _digest((("value", 4),))
+
+
+@pytest.mark.unit
+def test_a_batch_of_fewer_samples_replays_padded_where_the_plan_allows() -> None:
+    # The Llama plan's padding: tokens and document ids copy the first sample, labels are -100 (ignored).
+    padding = _module().parallel_plan().short_batch_padding
+    assert padding == (None, None, -100)
+    schedule = CaptureSchedule(warmup_steps=0, padding=padding)
+
+    def call(samples: int, length: int = SEQ_LEN, documents: bool = True) -> tuple[torch.Tensor | None, ...]:
+        tokens = torch.arange(samples * length).view(samples, length)
+        return tokens, tokens // 10 if documents else None, tokens + 1
+
+    assert schedule.decide(_signature(call(4))) == "capture"
+    assert schedule.settle_capture(_signature(call(4)), True)
+    with mock.patch("titan_strategy.parallelize.cuda_graph.rank_zero_info") as said, \
+            pytest.warns(UserWarning, match=r"\(6, 32\), \(6, 32\), \(6, 32\) \(the graphs .* all\.$"):
+        decisions = [schedule.decide(_signature(args)) for args in (
+            call(4), call(3), call(1), call(6), call(3, SEQ_LEN - 8), call(3, documents=False), call(2)[:2])]
+    # Fewer samples replay padded; more samples, another length, a missing argument or one fewer run eagerly.
+    assert decisions == ["replay", "pad", "pad", "eager", "eager", "eager", "eager"]
+    assert said.call_count == 1 and "(3, 32), (3, 32), (3, 32) replays the graphs of (4, 32)" in said.call_args[0][0]
+    assert schedule.padded_calls == 2 and schedule.uncaptured_calls == 4
+    # Without the plan's padding, a short batch runs eagerly.
+    alone = CaptureSchedule(warmup_steps=0)
+    alone.settle_capture(_signature(call(4)), True)
+    with pytest.warns(UserWarning, match=r"ran eagerly.*declare ParallelPlan\(short_batch_padding=...\)"):
+        assert alone.decide(_signature(call(3))) == "eager"
+    # What a padded replay reads: the short batch, then copies of its first sample, or the plan's value.
+    static, short = torch.zeros(4, 3, dtype=torch.long), torch.tensor([[1, 2, 3], [4, 5, 6]])
+    _fill(static, short, None)
+    assert static.tolist() == [[1, 2, 3], [4, 5, 6], [1, 2, 3], [1, 2, 3]]
+    _fill(static, short, -100)
+    assert static.tolist() == [[1, 2, 3], [4, 5, 6], [-100] * 3, [-100] * 3]
+    _fill(static, torch.ones(4, 3, dtype=torch.long), -100)
+    assert static.tolist() == [[1] * 3] * 4

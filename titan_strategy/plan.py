@@ -125,6 +125,13 @@ class ParallelPlan:
         context_parallel: how to split the sequence across CP ranks; None if it cannot be.
         float8_skip: linear layers that stay in bf16 under float8 training (the output projection,
             whose logits need the precision).
+        short_batch_padding: lets a batch of fewer samples than the one CUDA graphs captured (a short last
+            batch) replay them, padded to the captured batch size; None runs it eagerly. One entry per positional
+            argument of the model's call: the value padded samples hold there, or None for copies of the batch's
+            first sample (arguments past the tuple's end get copies too). Declaring it promises that padded
+            samples change nothing the real ones see: samples never meet (no batch statistics, no routing
+            across samples), and each output either has one row per sample first (the padded rows are cut off)
+            or ignores what the padded samples hold (a loss summed over labelled tokens, for labels of -100).
     """
 
     model: nn.Module
@@ -135,6 +142,7 @@ class ParallelPlan:
     pipeline: PipelinePlan | None = None
     context_parallel: ContextParallelPlan | None = None
     float8_skip: tuple[str, ...] = ()
+    short_batch_padding: tuple[int | None, ...] | None = None
 
 
 @runtime_checkable

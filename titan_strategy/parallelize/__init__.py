@@ -122,7 +122,7 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
     # by (seed, name) gives each stage the weights of the unsplit model.
     materialize(plan.model, device, plan.init_weights)
     if config.compile.cuda_graphs:
-        apply_cuda_graphs(plan.model, host_group)
+        apply_cuda_graphs(plan.model, host_group, short_batch_padding=plan.short_batch_padding)
     return _runtime(plan, parts, layout, sharded, mesh, dims, config, device, pipeline_loss, param_dtype)
 
 

@@ -10,8 +10,9 @@ user's ``training_step``, its ``self.log`` calls and the loss reduction stay Pyt
 calls run eagerly until one input signature (shapes, dtypes) has been seen ``warmup_steps`` times, so
 torch.compile, cuBLAS, NCCL and the allocator are warm; the next call of that signature captures the forward and
 its backward into one private memory pool, and later ones replay them. Anything else runs eagerly: evaluation,
-forwards without gradients, keyword arguments, another signature (a short last batch). Gradients come back
-through each parameter's ``.grad``: the backward graph writes them into tensors it owns, which are handed to
+forwards without gradients, keyword arguments, another signature (a short last batch, unless the plan declares
+``short_batch_padding``: then it replays, padded to the captured batch, its outputs cut back). Gradients come
+back through each parameter's ``.grad``: the backward graph writes them into tensors it owns, which are handed to
 the parameters (or added to what an accumulation window already holds).
 
 Under FSDP2 the root's hooks are part of the call, so each graph holds the all-gathers, the resharding and the
@@ -79,22 +80,43 @@ def _digest(signature: Signature) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest()) >> 2
 
 
-Decision = Literal["eager", "capture", "replay"]
+def _fewer_samples(signature: Signature, captured: Signature) -> bool:
+    """Whether ``signature`` is ``captured``'s with fewer samples: every tensor as many samples fewer along its first
+    dimension, everything else alike."""
+    if len(signature) != len(captured):
+        return False
+    samples = set()
+    for entry, static in zip(signature, captured):
+        if entry[0] == "value" or static[0] == "value":
+            if entry != static:
+                return False
+        elif entry[1:] != static[1:] or not entry[0] or entry[0][1:] != static[0][1:]:
+            return False
+        else:
+            samples.add((entry[0][0], static[0][0]))
+    return len(samples) == 1 and 0 < min(samples)[0] < min(samples)[1]
+
+
+Decision = Literal["eager", "capture", "replay", "pad"]
 
 
 class CaptureSchedule:
     """Which way each training call goes: eagerly while its signature warms up, then the capture, then replays of
-    that signature (any other runs eagerly). With a host ``group`` (more than one rank), every call's signature is
-    first agreed on: one that differs between ranks runs eagerly on all of them and counts towards nothing, so
-    the ranks take the same decisions in the same order."""
+    that signature, and with ``padding`` (the plan's ``short_batch_padding``) of fewer samples, padded; any other
+    runs eagerly. With a host ``group`` (more than one rank), every call's signature is first agreed on: one that
+    differs between ranks runs eagerly on all of them and counts towards nothing, so the ranks take the same
+    decisions in the same order."""
 
-    def __init__(self, warmup_steps: int, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, warmup_steps: int, group: dist.ProcessGroup | None = None,
+                 padding: tuple[int | None, ...] | None = None) -> None:
         self.warmup_steps = warmup_steps
         self.group = group
+        self.padding = padding
         self.seen: dict[Signature, int] = {}
         self.captured: Signature | None = None
         self.disagreements = 0  # calls the ranks ran eagerly because their shapes differed
         self.uncaptured_calls = 0  # calls of other shapes after the capture, run eagerly
+        self.padded_calls = 0  # calls of fewer samples after the capture, replayed padded
 
     def decide(self, signature: Signature, refusal: str | None = None) -> Decision:
         """The way this call goes. ``refusal`` says why this rank cannot train on: it is raised only after the
@@ -119,13 +141,23 @@ class CaptureSchedule:
             return "eager" if self.seen[signature] <= self.warmup_steps else "capture"
         if signature == self.captured:
             return "replay"
+        if self.padding is not None and _fewer_samples(signature, self.captured):
+            self.padded_calls += 1
+            if self.padded_calls == 1:
+                rank_zero_info(f"cuda_graphs=True: a training call of shapes {_shapes(signature)} replays the graphs "
+                               f"of {_shapes(self.captured)}, padded as the plan's short_batch_padding says; its "
+                               "outputs are cut back to its own samples.")
+            return "pad"
         self.uncaptured_calls += 1
         if self.uncaptured_calls == 1:
+            padding = "" if self.padding is not None else (
+                ", or, if the model's samples never meet, declare ParallelPlan(short_batch_padding=...) to replay "
+                "short batches padded")
             rank_zero_warn(f"cuda_graphs=True: a training call of shapes {_shapes(signature)} (the graphs are of "
                            f"{_shapes(self.captured)}) ran eagerly, as each call of other shapes will: it compiles "
                            "anew for those shapes and needs activation memory of its own beside the graphs' pool (at "
                            "the 1B shape, a short last batch reserved 11 GiB more). Give every batch one shape "
-                           "(drop_last=True, a fixed-length collator) to replay them all.")
+                           f"(drop_last=True, a fixed-length collator) to replay them all{padding}.")
         return "eager"
 
     def settle_capture(self, signature: Signature, captured_here: bool) -> bool:
@@ -232,8 +264,11 @@ class GraphedCall:
         if self.ran_eagerly:
             self._reshard()
         self.replays += 1
-        flat = _Replay.apply(captured, captured.anchor, *args)
-        return pytree.tree_unflatten(list(flat), captured.output_spec)
+        flat = list(_Replay.apply(captured, self.schedule.padding or (), captured.anchor, *args))
+        if decision == "pad":  # the rows of padded samples are cut off; what has no row per sample is left whole
+            batch, samples = _samples(captured.inputs), _samples(args)
+            flat = [o[:samples] if o.dim() and o.shape[0] == batch else o for o in flat]
+        return pytree.tree_unflatten(flat, captured.output_spec)
 
     def _capture(self, args: tuple[Any, ...]) -> _Captured:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -314,10 +349,12 @@ def _uncached_autocast() -> contextlib.AbstractContextManager[Any]:
 
 
 def apply_cuda_graphs(model: nn.Module, host_group: dist.ProcessGroup | None = None,
-                      warmup_steps: int = WARMUP_STEPS) -> GraphedCall:
+                      warmup_steps: int = WARMUP_STEPS,
+                      short_batch_padding: tuple[int | None, ...] | None = None) -> GraphedCall:
     """Replay ``model``'s training forward and backward as CUDA graphs from its ``warmup_steps + 1``-th
     training call of one input signature on (see the module docstring). Under more than one rank, the ranks
-    agree on each call's signature over ``host_group`` (gloo)."""
+    agree on each call's signature over ``host_group`` (gloo). ``short_batch_padding`` (``ParallelPlan``'s) lets
+    calls of fewer samples replay too, padded."""
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             # Eager CUDA's embedding backward reads a count back to the host (it sorts the tokens first), which
@@ -325,7 +362,7 @@ def apply_cuda_graphs(model: nn.Module, host_group: dist.ProcessGroup | None = N
             module.compile()
     eager_class = type(model)
     several_ranks = host_group is not None and host_group.size() > 1
-    schedule = CaptureSchedule(warmup_steps, host_group if several_ranks else None)
+    schedule = CaptureSchedule(warmup_steps, host_group if several_ranks else None, short_batch_padding)
     graphed = GraphedCall(model, functools.partial(eager_class.__call__, model), schedule)
     # Calling a module runs its hooks around forward, and FSDP2's root does its work in hooks, so the call itself
     # is what is graphed: a subclass made for this model (as fully_shard makes one) routes __call__ to it.
@@ -399,10 +436,11 @@ class _Replay(torch.autograd.Function):
     """One replay of the captured forward; its backward replays the captured backward."""
 
     @staticmethod
-    def forward(ctx: Any, captured: _Captured, anchor: Tensor, *args: Any) -> tuple[Tensor, ...]:
-        for static, arg in zip(captured.inputs, args):
+    def forward(ctx: Any, captured: _Captured, padding: tuple[int | None, ...], anchor: Tensor,
+                *args: Any) -> tuple[Tensor, ...]:
+        for index, (static, arg) in enumerate(zip(captured.inputs, args)):
             if isinstance(static, Tensor) and static.data_ptr() != arg.data_ptr():
-                static.copy_(arg)
+                _fill(static, arg, padding[index] if index < len(padding) else None)
         for param, grad in zip(captured.params, captured.grads):
             if param.grad is not None and grad is not None and _address(param.grad) == _address(grad):
                 # The forward graph's scratch memory is where the backward graph later put its gradients (one pool):
@@ -433,6 +471,21 @@ class _Replay(torch.autograd.Function):
                 static.copy_(grad)
         _replay_backward(captured)
         return (None,) * len(ctx.needs_input_grad)
+
+
+def _samples(args: tuple[Any, ...]) -> int:
+    return next(arg.shape[0] for arg in args if isinstance(arg, Tensor))
+
+
+def _fill(static: Tensor, arg: Tensor, pad_value: int | None) -> None:
+    """Copy ``arg`` into the graph's input ``static``; samples it lacks hold ``pad_value``, or copy its first sample."""
+    samples = arg.shape[0]
+    static[:samples].copy_(arg)
+    padded = static[samples:]
+    if pad_value is not None:
+        padded.fill_(pad_value)
+    elif padded.numel():
+        padded.copy_(arg[:1].expand_as(padded))
 
 
 def _replay_backward(captured: _Captured) -> None:
