@@ -94,7 +94,10 @@ def _fewer_samples(signature: Signature, captured: Signature) -> bool:
             return False
         else:
             samples.add((entry[0][0], static[0][0]))
-    return len(samples) == 1 and 0 < min(samples)[0] < min(samples)[1]
+    if len(samples) != 1:
+        return False
+    ((fewer, captured_samples),) = samples
+    return 0 < fewer < captured_samples
 
 
 Decision = Literal["eager", "capture", "replay", "pad"]
@@ -474,6 +477,7 @@ class _Replay(torch.autograd.Function):
 
 
 def _samples(args: tuple[Any, ...]) -> int:
+    """A call's batch size: its first tensor's first dimension."""
     return next(arg.shape[0] for arg in args if isinstance(arg, Tensor))
 
 
