@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import threading
 from collections.abc import Generator
 from dataclasses import replace
@@ -372,3 +373,12 @@ def test_a_batch_of_fewer_samples_replays_padded_where_the_plan_allows() -> None
     assert static.tolist() == [[1, 2, 3], [4, 5, 6], [-100] * 3, [-100] * 3]
     _fill(static, torch.ones(4, 3, dtype=torch.long), -100)
     assert static.tolist() == [[1] * 3] * 4
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("padding", [-100, [None, -100], (None, "-100"), (None, True)])
+def test_a_malformed_short_batch_padding_is_refused_when_the_plan_is_made(padding: object) -> None:
+    plan = _module().parallel_plan()
+    with pytest.raises(ValueError, match=rf"short_batch_padding={re.escape(repr(padding))}\): give a tuple .* "
+                                         r"e\.g\. \(None, None, -100\)"):
+        replace(plan, short_batch_padding=padding)

@@ -144,6 +144,16 @@ class ParallelPlan:
     float8_skip: tuple[str, ...] = ()
     short_batch_padding: tuple[int | None, ...] | None = None
 
+    def __post_init__(self) -> None:
+        padding = self.short_batch_padding
+        # bool is an int, but True as a token id or label is a slip, not a fill value.
+        if padding is not None and not (isinstance(padding, tuple) and all(
+                value is None or (isinstance(value, int) and not isinstance(value, bool)) for value in padding)):
+            raise ValueError(f"ParallelPlan(short_batch_padding={padding!r}): give a tuple with one entry per "
+                             "positional argument of the model's call, each an int (the value padded samples hold "
+                             "there) or None (copies of the first sample), e.g. (None, None, -100) for "
+                             "Llama(tokens, document_ids, labels); or None to run short batches eagerly.")
+
 
 @runtime_checkable
 class PlannedModule(Protocol):
