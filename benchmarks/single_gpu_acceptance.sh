@@ -3,7 +3,7 @@
 # root on the GPU machine, with jsonargparse and torchao importable (carried wheels), for `anchor` and `v030` the
 # torchtitan kit built (benchmarks/torchtitan_anchor/build_kit.sh) and carried as .tt, and for `fa4` the
 # flash-attn-4 package importable (`benchmarks/fa4_kit.sh`: two calls carry it). One lease, for example:
-#   bash benchmarks/single_gpu_acceptance.sh anchor 1b 32k     # 32k needs an H200 (over 80 GB)
+#   bash benchmarks/single_gpu_acceptance.sh anchor 1b 32k
 #   bash benchmarks/single_gpu_acceptance.sh anchor 1b 32k float8   # or every H200 row but FA4's in one call
 #   bash benchmarks/single_gpu_acceptance.sh fa4 8b
 #   bash benchmarks/single_gpu_acceptance.sh graphs short launches v030
@@ -66,9 +66,11 @@ raise SystemExit(not installed())" 2>/dev/null; then
       common=(--flavor 1B --batch-size 4 --compile --compile-loss --steps 14 --warmup 6)
       throughput 120 "${common[@]}" --cross-entropy logits
       throughput 120 "${common[@]}" ;;
-    32k)  # 8B width x 16 layers at 32k with full AC (over 80 GB: an H200)
-      throughput 150 --flavor 8B --n-layers 16 --batch-size 1 --compile --compile-loss --seq-len 32768 \
-        --activation-checkpointing full --steps 5 --warmup 2 ;;
+    32k)  # 8B width x 16 layers at 32k with full AC: bf16, then float8 tensorwise (73.5 GiB peak on an H100)
+      common=(--flavor 8B --n-layers 16 --batch-size 1 --compile --compile-loss --seq-len 32768
+              --activation-checkpointing full --steps 12 --warmup 4)
+      throughput 150 "${common[@]}"
+      throughput 150 "${common[@]}" --float8 tensorwise ;;
     v030)  # torchtitan 0.3.0 on this torch, for the record
       TT030_BUDGET=60 bash benchmarks/torchtitan_anchor/run_v030.sh > "$logs/$part.log" 2>&1
       rows 2 < "$logs/$part.log" ;;

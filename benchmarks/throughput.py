@@ -58,6 +58,8 @@ from titan_strategy.mesh import build_mesh
 from titan_strategy.parallelize import parallelize
 from titan_strategy.parallelize.compile import apply_compile_loss
 
+THROUGHPUT_WINDOW = 10  # steps per Throughput callback window, its cross-check of the step timer
+
 SHAPES = {"1B": {"flavor": "1B", "n_layers": None, "batch_size": 2},
           "8B-width": {"flavor": "8B", "n_layers": 16, "batch_size": 1}}
 # Rows of each matrix: (compile, compile_loss, activation checkpointing, float8, with the plain-loop reference).
@@ -208,7 +210,7 @@ def plain_loop(row: dict[str, Any]) -> dict[str, Any]:
 def lightning_run(row: dict[str, Any]) -> dict[str, Any]:
     module = _module(row)
     timer = StepTimer(row["warmup"])
-    throughput = Throughput(log_every_n_steps=10, prog_bar=False)
+    throughput = Throughput(log_every_n_steps=THROUGHPUT_WINDOW, prog_bar=False)
     profile = [ProfileCallback(KernelProfile("Lightning", row["warmup"]))] if row["profile"] else []
     trainer = L.Trainer(accelerator="cuda", devices=1, strategy=TitanStrategy(**_strategy_knobs(row)),
                         precision="bf16-mixed", max_steps=row["steps"], gradient_clip_val=1.0, logger=False,
@@ -342,6 +344,10 @@ def main() -> None:
     parser.add_argument("--results", type=Path, help="append a dated section with the table to this Markdown file")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row's JSON, run in this process
     args = parser.parse_args()
+    if args.steps < THROUGHPUT_WINDOW + 1:
+        parser.error(f"--steps {args.steps} ends before the Throughput callback's first window (steps 2 to "
+                     f"{THROUGHPUT_WINDOW + 1}), which the run reports beside its own timing; pass --steps "
+                     f"{THROUGHPUT_WINDOW + 1} or more")
     if args.short_last_batch and args.batch_size < 2:
         parser.error(f"--short-last-batch takes a sample off the last batch, which --batch-size {args.batch_size} "
                      "cannot spare; pass --batch-size 2 or more")
