@@ -74,8 +74,8 @@ def _block_inductor_options() -> dict[str, Any]:
 
     Mix-order reduction off: inductor (torch 2.10+) fuses a norm's backward, whose two reductions run along the
     rows (the input's gradient) and along the columns (the weight's), into one persistent kernel. Under float8
-    that kernel also takes the next matmul's scaling, and it ran at about a tenth of the memory bandwidth: 2.4 ms
-    per block at the 8B width, 10% of the step (profile, H100). Off, the 8B width x 16 layers with float8 trains
+    that kernel also takes the next matmul's scaling, and it took 2.4 ms per block at the 8B width, ten times the
+    block's other norm backward and 10% of the step (profile, H100). Off, the 8B width x 16 layers with float8 trains
     6.5-7.5% faster (23,935 and 23,892 tokens/s against 22,261 and 22,424, one lease); the 1B shape in bf16
     stays within one run's noise (54,017 against 54,169; benchmarks/RESULTS.md, session 10).
     ``TORCHINDUCTOR_MIX_ORDER_REDUCTION`` set in the environment keeps the user's choice; a torch without the
