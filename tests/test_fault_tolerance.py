@@ -90,7 +90,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_replays_exactly(reference_r
 
 
 _EXIT_CHECK = """
-import atexit, sys
+import atexit
 import torch, torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 from titan_strategy.distributed import DistributedConfig, build_process_groups, init_default_group
