@@ -61,6 +61,34 @@ def test_without_gradients_it_makes_none() -> None:
     torch.testing.assert_close(loss, plain.detach(), rtol=1e-6, atol=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the row kernel runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_on_cuda_the_row_kernel_matches_the_plain_loss(dtype: torch.dtype) -> None:
+    # A vocabulary of 5003: the kernel's second block of 4096 columns is partly outside the row.
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 300, 64, generator=generator).to("cuda", dtype).requires_grad_()
+    weight = (0.3 * torch.randn(5003, 64, generator=generator)).to("cuda", dtype).requires_grad_()
+    labels = torch.randint(0, 5003, (2, 300), generator=generator).cuda()
+    labels[0, :40] = labels[1, 290:] = -100
+    labels[1, 0], labels[1, 1] = 0, 5002  # the first and last column
+    plain = F.cross_entropy((hidden @ weight.T).flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    plain.backward()
+    expected = hidden.grad, weight.grad
+    hidden.grad = weight.grad = None
+    with torch.no_grad():
+        without_grad = linear_cross_entropy(hidden, weight, labels, 256)
+    chunked = linear_cross_entropy(hidden, weight, labels, 256)
+    chunked.backward()
+    torch.testing.assert_close(without_grad, chunked)
+    if dtype == torch.float32:
+        torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=0)
+        torch.testing.assert_close((hidden.grad, weight.grad), expected, rtol=1e-4, atol=1e-5)
+        return
+    torch.testing.assert_close(chunked, plain, rtol=1e-4, atol=0)
+    for grad, reference in zip((hidden.grad, weight.grad), expected):
+        assert (grad.float() - reference.float()).abs().max() <= 2**-7 * reference.float().abs().max()
+
+
 def test_bad_arguments_name_the_value() -> None:
     hidden, weight, labels = _inputs(torch.float32)
     with pytest.raises(ValueError, match="chunk_tokens=0"):

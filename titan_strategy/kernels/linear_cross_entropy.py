@@ -11,12 +11,20 @@ rank makes the logits of its vocabulary slice and the ranks exchange one (log-su
 and chunk. The loss comes out whole on every rank; the hidden states' gradient is each rank's partial sum, which the
 input's own redistribution reduces.
 
-Why not liger-kernel's fused linear cross-entropy: it runs only on CUDA (Triton), so no CPU test could check it, and
-it knows nothing of a vocabulary split over ranks.
+On CUDA, a chunk's loss and gradient (the whole vocabulary on one rank) are one Triton kernel, one program per token:
+it reads the token's logits once for the log-sum-exp, once more (mostly from L2) to overwrite them with the gradient.
+Inductor's kernels for the same torch code stream the chunk from memory once more: on an H100, 0.285 against 0.369 ms
+per 1024-token chunk, 1.5 ms less per 1B step's loss, 0.3 GiB lower peak (benchmarks/loss_chunk.py; RESULTS.md,
+session 13). Elsewhere, and for a vocabulary split over ranks, the torch code runs (compiled on CUDA).
+
+Why not liger-kernel's fused linear cross-entropy: it runs only on CUDA (Triton), so no CPU test could check the
+loss it computes, and it knows nothing of a vocabulary split over ranks.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Any
 
 import torch
@@ -89,7 +97,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = chunk @ weight.T
             chunk_labels = flat_labels[start:start + chunk_tokens]
             if group is None:
-                chunk_loss, grad_logits = _compiled(_loss_and_grad, logits)(logits, chunk_labels, wants_grad)
+                chunk_loss, grad_logits = _loss_and_grad_of_chunk(logits, chunk_labels, wants_grad)
             else:
                 chunk_loss, grad_logits = _split_loss_and_grad(logits, chunk_labels, vocab_start, group, wants_grad)
             loss_sum += chunk_loss
@@ -112,8 +120,67 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-# Each chunk's elementwise work, compiled on CUDA so that no fp32 copy of a chunk's logits is written: the upcast,
-# exp and one-hot fuse into the kernel that writes the gradient in the logits' own dtype.
+def _loss_and_grad_of_chunk(logits: Tensor, labels: Tensor, wants_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """One chunk, the whole vocabulary on this rank: the loss sum, and d(loss sum)/d(logits), which on CUDA
+    overwrites the logits (they are not needed after)."""
+    kernel = _row_kernel() if logits.is_cuda and logits.is_contiguous() and labels.is_contiguous() else None
+    if kernel is None:
+        return _compiled(_loss_and_grad, logits)(logits, labels, wants_grad)
+    rows, vocab = logits.shape
+    losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    kernel[(rows,)](logits, labels, losses, vocab, IGNORE_INDEX, WANTS_GRAD=wants_grad, BLOCK=_ROW_BLOCK,
+                    num_warps=_ROW_WARPS)
+    return losses.sum(), logits if wants_grad else None
+
+
+# Columns per loop step and warps per token: blocks of 2048 to 8192 columns with 4 to 16 warps ran within 5% of each
+# other on an H100 (benchmarks/loss_chunk.py).
+_ROW_BLOCK, _ROW_WARPS = 4096, 8
+
+
+@functools.cache
+def _row_kernel() -> Any:
+    """The loss and gradient of each token's logits as one Triton kernel, or None without Triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def row_cross_entropy(logits_ptr, labels_ptr, losses_ptr, vocab, ignore_index, WANTS_GRAD: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = logits_ptr + row * vocab
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        labelled = label != ignore_index
+        # Online log-sum-exp: a running maximum and the sum of exponentials relative to it.
+        running_max = -float("inf")
+        running_sum = 0.0
+        for start in range(0, vocab, BLOCK):
+            columns = start + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + columns, mask=columns < vocab, other=-float("inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            running_max = new_max
+        log_sum_exp = running_max + tl.log(running_sum)
+        target_logit = tl.load(row_ptr + tl.where(labelled, label, 0)).to(tl.float32)
+        tl.store(losses_ptr + row, tl.where(labelled, log_sum_exp - target_logit, 0.0))
+        if WANTS_GRAD:
+            # softmax - one-hot(label), zero on an unlabelled token, written over the logits just read.
+            for start in range(0, vocab, BLOCK):
+                columns = start + tl.arange(0, BLOCK)
+                in_row = columns < vocab
+                x = tl.load(row_ptr + columns, mask=in_row, other=0.0).to(tl.float32)
+                grad = tl.exp(x - log_sum_exp) - tl.where(columns == label, 1.0, 0.0)
+                grad = tl.where(labelled, grad, 0.0)
+                tl.store(row_ptr + columns, grad.to(row_ptr.dtype.element_ty), mask=in_row)
+
+    return row_cross_entropy
+
+
+# Each chunk's elementwise work in torch: eager on the CPU (tests), compiled on CUDA where the row kernel does not
+# apply (a vocabulary split over ranks), so that no fp32 copy of a chunk's logits is written: the upcast, exp and
+# one-hot fuse into the kernel that writes the gradient in the logits' own dtype.
 
 def _loss_and_grad(logits: Tensor, labels: Tensor, wants_grad: bool) -> tuple[Tensor, Tensor | None]:
     """One chunk, the whole vocabulary on this rank: the loss sum, and d(loss sum)/d(logits)."""
