@@ -42,17 +42,16 @@ def fresh_chunk(tokens: int, vocab: int, device: str) -> tuple[torch.Tensor, tor
     return logits, labels
 
 
-def inductor(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return lce._compiled(lce._loss_and_grad, logits)(logits, labels, True)
+def inductor(logits: torch.Tensor, labels: torch.Tensor, wants_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch code of a chunk, compiled: what ran on CUDA before the row kernel."""
+    return lce._compiled(lce._loss_and_grad, logits)(logits, labels, wants_grad)
 
 
-def triton_rows(block: int, warps: int):
+def triton_rows(block: int, warps: int) -> Callable:
+    """The shipped path with the row kernel's block and warps set to these."""
     def run(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, vocab = logits.shape
-        losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        lce._row_kernel()[(rows,)](logits, labels, losses, vocab, lce.IGNORE_INDEX, WANTS_GRAD=True, BLOCK=block,
-                                   num_warps=warps)
-        return losses.sum(), logits
+        lce._ROW_BLOCK, lce._ROW_WARPS = block, warps
+        return lce._loss_and_grad_of_chunk(logits, labels, True)
     return run
 
 
@@ -75,6 +74,7 @@ def main() -> None:
     for block, warps in ((2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16)):
         variants[f"triton {block}/{warps}"] = triton_rows(block, warps)
 
+    shipped = lce._ROW_BLOCK, lce._ROW_WARPS
     rows = []
     buffers = [fresh_chunk(args.tokens, args.vocab, device) for _ in range(8)]  # 2.1 GB: no L2 reuse across calls
     chunk_bytes = args.tokens * args.vocab * 2
@@ -87,14 +87,14 @@ def main() -> None:
         finite = bool(torch.isfinite(grad).all())
         ms = time_rotating(run, buffers)
         rows.append((name, ms, chunk_bytes * 2 / ms / 1e6, loss_error, grad_error, finite))
+    lce._ROW_BLOCK, lce._ROW_WARPS = shipped
 
     # The whole loss at the step's token count, forward and backward, each way.
     hidden = (torch.randn(args.step_tokens, args.dim, device=device) * 0.5).bfloat16().requires_grad_()
     weight = (torch.randn(args.vocab, args.dim, device=device) * 0.02).bfloat16().requires_grad_()
     labels = torch.randint(0, args.vocab, (args.step_tokens,), device=device)
     default = lce._loss_and_grad_of_chunk
-    ways = {"inductor": lambda logits, labels, wants: lce._compiled(lce._loss_and_grad, logits)(logits, labels, wants),
-            "triton": default}
+    ways = {"inductor": inductor, "triton": default}
     whole: dict[str, list[float]] = {name: [] for name in ways}
     grads = {}
     for name in [*ways] * 3:  # alternated: clocks drift over a run of heavy matrix products

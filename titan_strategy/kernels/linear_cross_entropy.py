@@ -125,7 +125,7 @@ def _loss_and_grad_of_chunk(logits: Tensor, labels: Tensor, wants_grad: bool) ->
     overwrites the logits (they are not needed after)."""
     kernel = _row_kernel() if logits.is_cuda else None
     if kernel is None:
-        return _compiled(_loss_and_grad, logits)(logits, labels, wants_grad)
+        return _loss_and_grad(logits, labels, wants_grad)
     rows, vocab = logits.shape  # a fresh product: contiguous
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     kernel[(rows,)](logits, labels.contiguous(), losses, vocab, IGNORE_INDEX, WANTS_GRAD=wants_grad, BLOCK=_ROW_BLOCK,
@@ -179,8 +179,8 @@ def _row_kernel() -> Any:
 
 
 # Each chunk's elementwise work in torch: the whole vocabulary off CUDA (CPU runs are tests), and a vocabulary split
-# over ranks anywhere, compiled on CUDA so that no fp32 copy of a chunk's logits is written: the upcast, exp and
-# one-hot fuse into the kernel that writes the gradient in the logits' own dtype.
+# over ranks anywhere; the split's is compiled on CUDA so that no fp32 copy of a chunk's logits is written: the upcast,
+# exp and one-hot fuse into the kernel that writes the gradient in the logits' own dtype.
 
 def _loss_and_grad(logits: Tensor, labels: Tensor, wants_grad: bool) -> tuple[Tensor, Tensor | None]:
     """One chunk, the whole vocabulary on this rank: the loss sum, and d(loss sum)/d(logits)."""
