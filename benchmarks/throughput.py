@@ -109,7 +109,7 @@ class KernelProfile:
             syncs = {event.key: event.count for event in events
                      if event.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")}
             print(f"### {self.name}: {self.steps} steps\n"
-                  f"{events.table(sort_by='self_cuda_time_total', row_limit=30, max_name_column_width=70)}\n"
+                  f"{events.table(sort_by='self_cuda_time_total', row_limit=60, max_name_column_width=90)}\n"
                   f"{self.name}: GPU busy {busy_ms:.0f} ms of {wall_ms:.0f} ms wall; host syncs {syncs}", flush=True)
             self.profiler = None
 

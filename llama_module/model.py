@@ -19,6 +19,7 @@ from llama_module.args import LlamaConfig, RopeScaling
 from llama_module.documents import AttentionMask, DocumentMasking, RopePositions, flex_attention
 from titan_strategy.kernels import flash_attention4, linear_cross_entropy
 from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
+from titan_strategy.kernels.rope import rope_kernel_takes, rotate_pairs
 
 __all__ = ["Llama", "ParamFiller", "check_attention_kernel", "fill_in_place", "rope_table"]
 
@@ -78,8 +79,16 @@ def apply_rope(x: Tensor, rows: Tensor) -> Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) of x: (bs, seqlen, heads, head_dim) by the RoPE table's rows of
     their positions: (seqlen, head_dim/2, 2), the same for every sequence, or (bs, seqlen, head_dim/2, 2).
 
-    Real-valued on purpose: inductor cannot fuse complex arithmetic.
+    On CUDA one Triton kernel each way (``titan_strategy.kernels.rope``), since inductor's kernels for the torch
+    code read at about a third of memory speed; ``apply_rope_in_torch`` elsewhere.
     """
+    if rope_kernel_takes(x, rows):
+        return rotate_pairs(x, rows)
+    return apply_rope_in_torch(x, rows)
+
+
+def apply_rope_in_torch(x: Tensor, rows: Tensor) -> Tensor:
+    """``apply_rope`` in torch ops. Real-valued on purpose: inductor cannot fuse complex arithmetic."""
     pairs = x.float().unflatten(-1, (-1, 2))  # (bs, seqlen, heads, head_dim/2, 2)
     rows = rows if rows.ndim == 4 else rows[None]
     cos, sin = rows[:, :, None, :, 0], rows[:, :, None, :, 1]  # (bs or 1, seqlen, 1, head_dim/2)

@@ -10,6 +10,8 @@ import torch
 from llama_module import Llama, LlamaConfig, RopeScaling
 from llama_module.args import FLAVORS, get_flavor
 from llama_module.hf import to_hf_state_dict
+from llama_module.model import apply_rope, apply_rope_in_torch
+from titan_strategy.kernels.rope import rope_kernel_takes
 
 pytestmark = pytest.mark.unit
 
@@ -109,6 +111,26 @@ def test_unknown_flavor_lists_the_valid_ones() -> None:
 def test_config_rejects_inconsistent_shapes(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(CONFIG, **changes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the RoPE kernel runs on CUDA")
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["shared-rows", "per-sequence-rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_on_cuda_the_rope_kernel_matches_the_torch_code(dtype: torch.dtype, per_sequence: bool) -> None:
+    # 6 heads (the kernel pads them to 8) and 37 tokens (its last program is partly outside the batch).
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 37, 6, 16, generator=generator).to("cuda", dtype).requires_grad_()
+    rows = torch.randn((3, 37, 8, 2) if per_sequence else (37, 8, 2), generator=generator).cuda()
+    grad = torch.randn(x.shape, generator=generator).to("cuda", dtype)
+    assert rope_kernel_takes(x, rows)
+    rotated = apply_rope(x, rows)
+    rotated.backward(grad)
+    kernel_grad, x.grad = x.grad, None
+    torch.testing.assert_close(torch.compile(apply_rope)(x, rows), rotated, rtol=0, atol=0)
+    expected = apply_rope_in_torch(x, rows)
+    expected.backward(grad)
+    # Equal up to fused multiply-adds: one rounding of the fp32 result, one ulp of the bf16 one.
+    torch.testing.assert_close((rotated, kernel_grad), (expected, x.grad))
 
 
 def test_sequence_longer_than_rope_table_is_refused() -> None:
