@@ -3,14 +3,17 @@
 ``llama_module.model.apply_rope`` rotates each pair (x[2i], x[2i+1]) of a head by its position's angle. The
 kernels inductor makes of that torch code (the pair split and re-interleave, and the table rows gathered by
 position, element by element) run far below memory speed: at the 1B shape on an H200 the query's forward kernel
-moved its 134 MB at 1.3 TB/s, and RoPE took 4.1 ms of a 296 ms step (benchmarks/RESULTS.md, session 14). This kernel reads each token's heads as one
-contiguous block, splits the pairs in registers, reads the token's cos/sin row once for all its heads and writes
-the block back. Backward is the same kernel rotating the other way. On an H100 the 1B step ran 0.9% faster with it
-(53,986 and 53,978 tokens/s against 53,447 and 53,574, alternated in one lease), the 8B width x 16 layers with
-float8 0.9% too; its 64 launches took 2.0 ms of that 1B step (benchmarks/rope_kernel.py times it alone).
+moved its 134 MB at 1.3 TB/s, and RoPE took 4.1 ms of a 296 ms step (benchmarks/RESULTS.md, session 14).
+
+This kernel reads each token's heads as one contiguous block, splits the pairs in registers, reads the token's
+cos/sin row once for all its heads and writes the block back. Backward is the same kernel rotating the other way.
+On an H100 the 1B step ran 0.9% faster with it (53,986 and 53,978 tokens/s against 53,447 and 53,574, alternated
+in one lease), the 8B width x 16 layers with float8 0.9% too; its 64 launches took 2.0 ms of that 1B step
+(benchmarks/rope_kernel.py times it alone).
 
 A custom op, so that a compiled block keeps it as one opaque node; the model calls it where ``rope_kernel_takes``
-says it applies (CUDA with Triton, plain tensors, a power-of-two head_dim) and runs its torch code elsewhere.
+says it applies (CUDA with Triton, plain tensors, a power-of-two head_dim, a table without gradient) and runs its
+torch code elsewhere.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def rope_kernel_takes(x: Tensor, rows: Tensor) -> bool:
     """Whether ``rotate_pairs`` runs ``x`` (bs, seqlen, heads, head_dim) with cos/sin ``rows``."""
     head_dim = x.shape[-1]
     return (x.is_cuda and type(x) is Tensor and type(rows) is Tensor and rows.dtype == torch.float32
-            and head_dim >= 2 and head_dim & (head_dim - 1) == 0 and _HAS_TRITON)
+            and not rows.requires_grad and head_dim >= 2 and head_dim & (head_dim - 1) == 0 and _HAS_TRITON)
 
 
 @torch.library.custom_op("titan::rotate_pairs", mutates_args=())
