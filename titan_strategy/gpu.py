@@ -1,10 +1,16 @@
-"""The one check of what GPU a feature needs, so every refusal reads alike and comes before any work."""
+"""The one check of what GPU a feature needs, so every refusal reads alike and comes before any work; and whether
+the Triton kernels (``titan_strategy.kernels``) can run here."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
-__all__ = ["check_gpu_capability"]
+__all__ = ["TRITON_INSTALLED", "check_gpu_capability"]
+
+# Looked up once at import: compiled code asks while it traces, where a lookup per call would not belong.
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def check_gpu_capability(device: torch.device, minimum: tuple[int, int], setting: str, examples: str,

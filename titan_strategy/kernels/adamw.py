@@ -24,7 +24,6 @@ no cast has to produce, and its gradients stay bf16: the per-step casts of autoc
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,6 +32,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from titan_strategy.distributed import simulating_ranks
+from titan_strategy.gpu import TRITON_INSTALLED
 
 __all__ = ["ADAMW_KERNELS", "TritonAdamW", "build_adamw"]
 
@@ -53,7 +53,7 @@ def _adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     # Parameters and plain tensors: other subclasses may not hold their values where their data pointer says.
     if all(type(t) in _PLAIN_TYPES and t.is_cuda and t.is_contiguous() for t in (*fp32, grad, *copies)) \
             and all(t.dtype == torch.float32 for t in fp32) and grad.dtype in grad_dtypes \
-            and _triton_kernel() is not None:
+            and TRITON_INSTALLED:
         _launch(param, grad, exp_avg, exp_avg_sq, grad_scale, compute_copy, lr, weight_decay, beta1, beta2, eps,
                 step_size, bias_correction2_sqrt)
         return
@@ -74,10 +74,7 @@ _BLOCK, _NUM_WARPS = 1024, 4  # elements per program: 8 fp32 values of each tens
 
 @functools.cache
 def _triton_kernel() -> Any:
-    """The update as one Triton kernel (each tensor read once; parameter and moments written once), or None
-    without Triton."""
-    if importlib.util.find_spec("triton") is None:
-        return None
+    """The update as one Triton kernel (each tensor read once; parameter and moments written once)."""
     import triton
     import triton.language as tl
 

@@ -24,13 +24,14 @@ loss it computes, and it knows nothing of a vocabulary split over ranks.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from titan_strategy.gpu import TRITON_INSTALLED
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "linear_cross_entropy"]
 
@@ -123,13 +124,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _loss_and_grad_of_chunk(logits: Tensor, labels: Tensor, wants_grad: bool) -> tuple[Tensor, Tensor | None]:
     """One chunk, the whole vocabulary on this rank: the loss sum, and d(loss sum)/d(logits), which on CUDA
     overwrites the logits (they are not needed after)."""
-    kernel = _row_kernel() if logits.is_cuda else None
-    if kernel is None:
+    if not (logits.is_cuda and TRITON_INSTALLED):
         return _loss_and_grad(logits, labels, wants_grad)
     rows, vocab = logits.shape  # a fresh product: contiguous
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    kernel[(rows,)](logits, labels.contiguous(), losses, vocab, IGNORE_INDEX, WANTS_GRAD=wants_grad, BLOCK=_ROW_BLOCK,
-                    num_warps=_ROW_WARPS)
+    _row_kernel()[(rows,)](logits, labels.contiguous(), losses, vocab, IGNORE_INDEX, WANTS_GRAD=wants_grad,
+                           BLOCK=_ROW_BLOCK, num_warps=_ROW_WARPS)
     return losses.sum(), logits if wants_grad else None
 
 
@@ -140,9 +140,7 @@ _ROW_BLOCK, _ROW_WARPS = 4096, 8
 
 @functools.cache
 def _row_kernel() -> Any:
-    """The loss and gradient of each token's logits as one Triton kernel, or None without Triton."""
-    if importlib.util.find_spec("triton") is None:
-        return None
+    """The loss and gradient of each token's logits as one Triton kernel."""
     import triton
     import triton.language as tl
 

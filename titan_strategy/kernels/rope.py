@@ -19,24 +19,23 @@ torch code elsewhere.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from titan_strategy.gpu import TRITON_INSTALLED
+
 __all__ = ["rope_kernel_takes", "rotate_pairs"]
 
 _TOKENS_PER_PROGRAM = 4
-# Looked up once: a compiled block evaluates rope_kernel_takes while it traces.
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def rope_kernel_takes(x: Tensor, rows: Tensor) -> bool:
     """Whether ``rotate_pairs`` runs ``x`` (bs, seqlen, heads, head_dim) with cos/sin ``rows``."""
     head_dim = x.shape[-1]
     return (x.is_cuda and type(x) is Tensor and type(rows) is Tensor and rows.dtype == torch.float32
-            and not rows.requires_grad and head_dim >= 2 and head_dim & (head_dim - 1) == 0 and _HAS_TRITON)
+            and not rows.requires_grad and head_dim >= 2 and head_dim & (head_dim - 1) == 0 and TRITON_INSTALLED)
 
 
 @torch.library.custom_op("titan::rotate_pairs", mutates_args=())
