@@ -62,9 +62,9 @@ raise SystemExit(not installed())" 2>/dev/null; then
     loss)  # the chunked loss's row kernel against inductor's kernels, then the whole loss both ways
       bounded 150 python3 benchmarks/loss_chunk.py > "$logs/$part.log" 2>&1
       tail -13 "$logs/$part.log" ;;
-    rope)  # the RoPE kernel against inductor's kernels at the 1B step's q and k
-      bounded 90 python3 benchmarks/rope_kernel.py > "$logs/$part.log" 2>&1
-      tail -9 "$logs/$part.log" ;;
+    kernels)  # the RoPE and RMSNorm kernels against inductor's kernels at the 1B step's shapes
+      bounded 120 python3 benchmarks/layer_kernels.py > "$logs/$part.log" 2>&1
+      tail -12 "$logs/$part.log" ;;
     lastbatch)  # the 1B step with graphs, then a short last batch (which the Llama plan pads, so it replays too)
       common=(--flavor 1B --compile --compile-loss --steps 12 --warmup 5 --cuda-graphs)
       throughput 100 "${common[@]}"
@@ -83,7 +83,7 @@ raise SystemExit(not installed())" 2>/dev/null; then
     v030)  # torchtitan 0.3.0 on this torch, for the record
       TT030_BUDGET=60 bash benchmarks/torchtitan_anchor/run_v030.sh > "$logs/$part.log" 2>&1
       rows 2 < "$logs/$part.log" ;;
-    *) echo "unknown part $part (graphs, anchor, 1b, fa4, float8, short, launches, profile, loss, rope, lastbatch, agreement, batch4, 8b, 32k, v030)" ;;
+    *) echo "unknown part $part (graphs, anchor, 1b, fa4, float8, short, launches, profile, loss, kernels, lastbatch, agreement, batch4, 8b, 32k, v030)" ;;
   esac
 done
 echo "=== done (t=$(( $(date +%s) - start ))s)"

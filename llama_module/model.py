@@ -19,6 +19,7 @@ from llama_module.args import LlamaConfig, RopeScaling
 from llama_module.documents import AttentionMask, DocumentMasking, RopePositions, flex_attention
 from titan_strategy.kernels import flash_attention4, linear_cross_entropy
 from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
+from titan_strategy.kernels.rms_norm import rms_norm, rms_norm_kernel_takes
 from titan_strategy.kernels.rope import rope_kernel_takes, rotate_pairs
 
 __all__ = ["Llama", "ParamFiller", "check_attention_kernel", "fill_in_place", "rope_table"]
@@ -122,7 +123,16 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
+        # On CUDA one Triton kernel each way (titan_strategy.kernels.rms_norm): inductor's backward for the torch
+        # code is three kernels, each reading the rows.
+        if rms_norm_kernel_takes(x, self.weight):
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_in_torch(x, self.weight, self.eps)
+
+
+def rms_norm_in_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``RMSNorm`` in torch ops: normalized in fp32, rounded to x's dtype, then scaled."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x) * weight
 
 
 class AttentionCore(nn.Module):

@@ -6,11 +6,13 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from llama_module import Llama, LlamaConfig, RopeScaling
 from llama_module.args import FLAVORS, get_flavor
 from llama_module.hf import to_hf_state_dict
-from llama_module.model import apply_rope, apply_rope_in_torch
+from llama_module.model import apply_rope, apply_rope_in_torch, rms_norm_in_torch
+from titan_strategy.kernels.rms_norm import rms_norm, rms_norm_kernel_takes
 from titan_strategy.kernels.rope import rope_kernel_takes
 
 pytestmark = pytest.mark.unit
@@ -131,6 +133,33 @@ def test_on_cuda_the_rope_kernel_matches_the_torch_code(dtype: torch.dtype, per_
     expected.backward(grad)
     # Equal up to fused multiply-adds: one rounding of the fp32 result, one ulp of the bf16 one.
     torch.testing.assert_close((rotated, kernel_grad), (expected, x.grad))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the RMSNorm kernel runs on CUDA")
+@pytest.mark.parametrize(("dtype", "weight_dtype"),
+                         [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                          (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16-fp32-weight"])
+def test_on_cuda_the_rms_norm_kernel_matches_the_torch_code(dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
+    # A width of 72 (the kernel pads its rows to 128) and 1,000 rows (backward's programs get uneven runs of them).
+    generator = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(4, 250, 72, generator=generator)).to("cuda", dtype).requires_grad_()
+    weight = torch.empty(72).uniform_(0.5, 1.5, generator=generator).to("cuda", weight_dtype).requires_grad_()
+    grad = torch.randn(x.shape, generator=generator).to("cuda", torch.promote_types(dtype, weight_dtype))
+    assert rms_norm_kernel_takes(x, weight)
+    normed = rms_norm(x, weight, 1e-5)
+    normed.backward(grad)
+    kernel_grads, x.grad, weight.grad = (x.grad, weight.grad), None, None
+    torch.testing.assert_close(torch.compile(rms_norm)(x, weight, 1e-5), normed, rtol=0, atol=0)
+    expected = rms_norm_in_torch(x, weight, 1e-5)
+    expected.backward(grad)
+    # Compared in x's dtype: a normalized value one ulp apart (another summation order) stays one ulp apart when
+    # an fp32 weight scales it.
+    torch.testing.assert_close((normed.to(dtype), kernel_grads[0]), (expected.to(dtype), x.grad))
+    # The weight's gradient sums fp32 products where the torch code rounds each one to bf16 first: the reference
+    # is those fp32 products, summed in float64.
+    rounded = F.rms_norm(x.detach().double(), (72,), eps=1e-5).to(dtype).double()
+    reference = (grad.double() * rounded).sum((0, 1))
+    torch.testing.assert_close(kernel_grads[1].to(dtype), reference.to(dtype))
 
 
 def test_sequence_longer_than_rope_table_is_refused() -> None:

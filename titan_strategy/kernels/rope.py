@@ -9,7 +9,7 @@ This kernel reads each token's heads as one contiguous block, splits the pairs i
 cos/sin row once for all its heads and writes the block back. Backward is the same kernel rotating the other way.
 On an H100 the 1B step ran 0.9% faster with it (53,986 and 53,978 tokens/s against 53,447 and 53,574, alternated
 in one lease), the 8B width x 16 layers with float8 0.9% too; its 64 launches took 2.0 ms of that 1B step
-(benchmarks/rope_kernel.py times it alone).
+(benchmarks/layer_kernels.py times it alone).
 
 A custom op, so that a compiled block keeps it as one opaque node; the model calls it where ``rope_kernel_takes``
 says it applies (CUDA with Triton, plain tensors, a power-of-two head_dim, a table without gradient) and runs its
