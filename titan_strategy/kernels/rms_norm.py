@@ -48,7 +48,7 @@ def rms_norm_kernel_takes(x: Tensor, weight: Tensor) -> bool:
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``weight * rms_norm(x)`` with the normalized rows rounded to x's dtype first, as the model's torch code
     does; the result in the promoted dtype of x and weight."""
-    x = x.contiguous()
+    x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     dim = x.shape[-1]
     rows = x.numel() // dim
@@ -65,7 +65,7 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 @torch.library.custom_op("titan::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    grad, x = grad.contiguous(), x.contiguous()
+    grad, x, weight = grad.contiguous(), x.contiguous(), weight.contiguous()
     x_grad = torch.empty_like(x)
     dim = x.shape[-1]
     rows = x.numel() // dim
@@ -98,7 +98,9 @@ rms_norm.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _block(dim: int) -> int:
-    return 1 << (dim - 1).bit_length()
+    import triton  # here, not at the top: CPU installs have no Triton, and only CUDA calls come here
+
+    return triton.next_power_of_2(dim)
 
 
 def _warps(block: int) -> int:
@@ -106,8 +108,6 @@ def _warps(block: int) -> int:
 
 
 def _backward_programs(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors
-        return 4
     return _BACKWARD_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 

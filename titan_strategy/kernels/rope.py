@@ -88,13 +88,11 @@ def _launch(x: Tensor, rows: Tensor, inverse: bool) -> Tensor:
     # Token t of the flattened batch reads table row t (a row per token) or t mod seqlen (rows shared).
     table_tokens = rows.numel() // head_dim
     grid = (-(-tokens // _TOKENS_PER_PROGRAM),)
-    _rope_kernel()[grid](x, rows, out, tokens, table_tokens, heads, HEADS=_next_power_of_2(heads), HALF=head_dim // 2,
-                         INVERSE=inverse, TOKENS=_TOKENS_PER_PROGRAM, num_warps=4)
+    import triton  # here, not at the top: CPU installs have no Triton, and only CUDA calls come here
+
+    _rope_kernel()[grid](x, rows, out, tokens, table_tokens, heads, HEADS=triton.next_power_of_2(heads),
+                         HALF=head_dim // 2, INVERSE=inverse, TOKENS=_TOKENS_PER_PROGRAM, num_warps=4)
     return out
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 @functools.cache
