@@ -53,8 +53,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     dim = x.shape[-1]
     rows = x.numel() // dim
     if rows:
-        block = _block(dim)
-        _kernels()[0][(rows,)](x, weight, out, dim, eps, BLOCK=block, num_warps=_warps(block))
+        _kernels()[0][(rows,)](x, weight, out, dim, eps, **_row_launch(dim))
     return out
 
 
@@ -72,9 +71,8 @@ def _rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float) -> t
     programs = max(1, min(rows, _backward_programs(x.device)))
     weight_grads = torch.empty(programs, dim, dtype=torch.float32, device=x.device)  # each program writes its row
     if rows:
-        block = _block(dim)
         _kernels()[1][(programs,)](grad, x, weight, x_grad, weight_grads, rows, dim, -(-rows // programs), eps,
-                                   BLOCK=block, num_warps=_warps(block))
+                                   **_row_launch(dim))
     return x_grad, weight_grads.sum(0).to(weight.dtype)
 
 
@@ -97,14 +95,12 @@ def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
 rms_norm.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _block(dim: int) -> int:
+def _row_launch(dim: int) -> dict[str, int]:
+    """A whole row per program: its width padded to a power of two, and a warp per 512 values of it (1 to 16)."""
     import triton  # here, not at the top: CPU installs have no Triton, and only CUDA calls come here
 
-    return triton.next_power_of_2(dim)
-
-
-def _warps(block: int) -> int:
-    return min(max(block // 512, 1), 16)
+    block = triton.next_power_of_2(dim)
+    return {"BLOCK": block, "num_warps": min(max(block // 512, 1), 16)}
 
 
 def _backward_programs(device: torch.device) -> int:
