@@ -54,7 +54,10 @@ def _compare(name: str, x: Tensor, kernels: dict[str, Callable[[Tensor], Tensor]
     grad = torch.randn_like(x)
     outputs = {}
     for kernel, fn in kernels.items():
-        outputs[kernel] = fn(x)
+        # Without autograd: an output holding its graph would keep x's gradient accumulator, made on this stream,
+        # alive into the capture below, and capture refuses a backward that waits on the legacy stream.
+        with torch.no_grad():
+            outputs[kernel] = fn(x)
 
         def forward_backward(fn=fn) -> None:
             x.grad = None
