@@ -71,7 +71,7 @@ def test_trainer_precision_maps_to_fsdp_mixed_precision(precision: str, expected
     assert plugin.reduce_dtype is None or str(plugin.reduce_dtype) == "torch.float32"
 
 
-@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+@pytest.mark.parametrize("precision", ["64-true"])
 def test_unsupported_precision_is_refused_with_the_alternatives(precision: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=rf"does not support precision='{precision}'.*'32-true', 'bf16-mixed'"):
         _trainer(tmp_path, TitanStrategy(), precision=precision)

@@ -518,7 +518,12 @@ def run(spec_file: Path, out_dir: Path) -> None:
             faulthandler.dump_traceback_later(spec.stacks_after_s, file=stacks)
             stack.callback(faulthandler.cancel_dump_traceback_later)
         try:
-            main(spec, out_dir)
+            if spec.user_module is not None:
+                from tests import user_modules
+
+                user_modules.main(spec, out_dir)
+            else:
+                main(spec, out_dir)
         except Exception as failure:
             _report_failure(failure, out_dir)
             raise

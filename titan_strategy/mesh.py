@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -117,31 +116,39 @@ class ParallelDims:
                 "tensor_parallel_size": self.tp}
 
 
-class TitanMesh:
-    """The root 5-D DeviceMesh plus its flattened views, addressable by name.
+class TitanMesh(DeviceMesh):
+    """The root 5-D DeviceMesh, whose flattened views are reachable by name like its own dims.
 
-    ``mesh["batch"]`` returns the flattened mesh kept at build time rather than re-slicing it from
-    the root, which torch deprecates. Any other attribute is the root mesh's.
+    It is a torch ``DeviceMesh`` (code written for ModelParallelStrategy passes it where torch expects one; it
+    deep-copies and pickles as one). ``mesh["batch"]`` returns the flattened mesh kept at build time rather than
+    re-slicing it from the root, which torch deprecates.
     """
 
-    def __init__(self, root: DeviceMesh, views: dict[str, DeviceMesh]) -> None:
-        self.root = root
-        self.views = views
+    _views: dict[str, DeviceMesh]
+
+    @classmethod
+    def of(cls, root: DeviceMesh, views: dict[str, DeviceMesh]) -> TitanMesh:
+        """``root`` itself, seen as a TitanMesh with ``views`` (the same state: no new process group)."""
+        mesh = cls.__new__(cls)
+        mesh.__dict__.update(root.__dict__)
+        mesh._views = views
+        return mesh
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
-        if isinstance(names, str) and names in self.views:
-            return self.views[names]
+        if isinstance(names, str) and names in self._views:
+            return self._views[names]
         with warnings.catch_warnings():
             # A tuple mixing original and flattened dims (HSDP's (dp_replicate, dp_shard_cp)) can only
             # be sliced from the root; the deprecation does not apply to that form.
             warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-            return self.root[names]
+            return super().__getitem__(names)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.root, name)
+    @property
+    def view_names(self) -> list[str]:
+        return sorted(self._views)
 
     def __repr__(self) -> str:
-        return f"TitanMesh({self.root!r}, views={sorted(self.views)})"
+        return f"TitanMesh({super().__repr__()}, views={self.view_names})"
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> TitanMesh:
@@ -175,4 +182,4 @@ def build_mesh(dims: ParallelDims, device_type: str) -> TitanMesh:
     for name, size in expected.items():
         if views[name].size() != size:
             raise RuntimeError(f"Mesh view {name!r} has size {views[name].size()}, expected {size}.")
-    return TitanMesh(root, views)
+    return TitanMesh.of(root, views)

@@ -9,7 +9,8 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -29,16 +30,20 @@ if TYPE_CHECKING:
 __all__ = ["PrecisionMode", "SUPPORTED_PRECISION", "TitanPrecision", "configure_precision",
            "drop_lightnings_amp_line", "to_titan_precision"]
 
-TrainerPrecision = Literal["32-true", "bf16-mixed"]
+TrainerPrecision = Literal["32-true", "bf16-mixed", "bf16-true", "16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = choices(TrainerPrecision)
 PrecisionMode = Literal["fsdp_mixed", "autocast", "master_weights"]
 """What gives the step its compute dtype: FSDP2's MixedPrecisionPolicy (sharded); bf16 parameters with fp32
 masters in TritonAdamW (``master_weights.py``); or autocast over fp32 parameters. Under "32-true" there is no
-lower dtype, so each of them computes in fp32 (autocast, then, is not entered)."""
+lower dtype, so each of them computes in fp32 (autocast, then, is not entered). Under "bf16-true" and "16-true"
+the parameters themselves hold the low dtype: nothing casts them, and FSDP reduces gradients in fp32."""
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
 class TitanPrecision(Precision):
-    """``"bf16-mixed"`` keeps fp32 master weights, computes in bf16 and reduces gradients in fp32.
+    """``"bf16-mixed"`` keeps fp32 master weights, computes in bf16 and reduces gradients in fp32. ``"bf16-true"``
+    and ``"16-true"`` hold the parameters in that dtype (as Lightning's ``HalfPrecision`` does); FSDP still reduces
+    their gradients in fp32.
 
     Which ``PrecisionMode`` does it is ``mode``, set by ``configure_precision`` once the model and its optimizers
     exist.
@@ -66,17 +71,49 @@ class TitanPrecision(Precision):
 
     @property
     def param_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP (or autocast) computes in, where the parameters hold another; None: theirs."""
         return torch.bfloat16 if self.precision == "bf16-mixed" else None
 
     @property
     def reduce_dtype(self) -> torch.dtype | None:
-        return torch.float32 if self.precision == "bf16-mixed" else None
+        return torch.float32 if self.precision != "32-true" else None
+
+    @property
+    def true_dtype(self) -> torch.dtype | None:
+        """The dtype the parameters themselves hold under "bf16-true"/"16-true"; None otherwise."""
+        return _TRUE_DTYPES.get(self.precision)
+
+    @contextmanager
+    def _default_dtype(self) -> Generator[None, None, None]:
+        """Under a true half precision, tensors made without a dtype take it (Lightning's ``HalfPrecision``)."""
+        previous = torch.get_default_dtype()
+        if self.true_dtype is not None:
+            torch.set_default_dtype(self.true_dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+    @override
+    def tensor_init_context(self) -> Any:
+        return self._default_dtype()
+
+    @override
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(dtype=self.true_dtype) if self.true_dtype is not None else module
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.true_dtype is None:
+            return data
+        return apply_to_collection(data, Tensor, lambda t: t.to(self.true_dtype) if t.is_floating_point() else t)
 
     @contextmanager
     @override
     def forward_context(self) -> Generator[None, None, None]:
         autocast = self.use_autocast and self.param_dtype is not None
-        with torch.autocast(self.device_type, dtype=self.param_dtype) if autocast else nullcontext():
+        with torch.autocast(self.device_type, dtype=self.param_dtype) if autocast else nullcontext(), \
+                self._default_dtype():
             yield
 
     @override
@@ -130,6 +167,8 @@ def to_titan_precision(plugin: Precision | None) -> TitanPrecision | None:
         return plugin
     if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
         return TitanPrecision("bf16-mixed", plugin.device)
+    if isinstance(plugin, HalfPrecision):
+        return TitanPrecision(plugin.precision, "cpu")
     if type(plugin) is Precision:
         return TitanPrecision("32-true", "cpu")
     raise ValueError(

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from titan_strategy.logging_steps import is_logging_step
 from titan_strategy.parallelize.context_parallel import SequenceSharder, check_cp_sequence_length, ring_attention
 from titan_strategy.parallelize.float8 import precompute_float8_scales
 from titan_strategy.parallelize.tensor_parallel import (
@@ -117,7 +118,8 @@ class ParallelRuntime:
             if loss.num_tokens is None:  # a pipeline_loss of plain means
                 mean = (loss.total * accumulate).float()
                 if stage == "train":
-                    self.token_weighting.mean_warning.observe(batch, self.averaged_over, _progress_bar_step(module))
+                    self.token_weighting.mean_warning.observe(batch, self.averaged_over,
+                                                              is_logging_step(module.trainer))
             else:
                 mean = self.token_weighting.pipeline_mean(loss.total, loss.num_tokens, training=stage == "train",
                                                           accumulate=accumulate,
@@ -136,7 +138,7 @@ class ParallelRuntime:
         averaged_over = ", ".join(filter(None, [self.averaged_over, f"{accumulate} accumulated batches"
                                                 if accumulate > 1 else ""]))
         if args and averaged_over and not self.token_weighting.in_use:
-            self.token_weighting.mean_warning.observe(args[0], averaged_over, _progress_bar_step(module))
+            self.token_weighting.mean_warning.observe(args[0], averaged_over, is_logging_step(module.trainer))
 
     @contextmanager
     def _sequence_shards(self, args: tuple) -> Generator[tuple, None, None]:
@@ -188,11 +190,6 @@ class ParallelRuntime:
         """After validation, test or predict: the pipeline's stage copies go back to the mode they had."""
         if self.pipeline is not None:
             self.pipeline.end_evaluation()
-
-
-def _progress_bar_step(module: pl.LightningModule) -> bool:
-    trainer = module.trainer
-    return trainer.global_step % trainer.log_every_n_steps == 0
 
 
 class _GradientsOnBackward(torch.autograd.Function):

@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from titan_strategy.logging_steps import is_logging_step
 from titan_strategy.parallelize.tensor_parallel import as_local_loss
 
 __all__ = ["log_step_metric", "log_to_progress_bar"]
@@ -29,8 +30,10 @@ def log_step_metric(module: pl.LightningModule, name: str, value: Tensor, bar_na
     The loggers read their values only every ``log_every_n_steps``; the bar's copy has to come to the CPU,
     which waits for the GPU, so it is taken then too.
     """
-    module.log(name, value, on_step=True, on_epoch=False, sync_dist=sync_dist)
     trainer = module.trainer
-    if trainer.global_step % trainer.log_every_n_steps == 0:
+    if trainer.barebones:  # Lightning refuses self.log there; nothing would read the value
+        return
+    module.log(name, value, on_step=True, on_epoch=False, sync_dist=sync_dist)
+    if is_logging_step(trainer):
         shown = as_local_loss(value).detach().clone()
         log_to_progress_bar(module, bar_name, trainer.strategy.reduce(shown) if sync_dist else shown)

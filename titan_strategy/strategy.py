@@ -45,7 +45,8 @@ from titan_strategy.parallelize.context_parallel import RotateMethod
 from titan_strategy.parallelize.cuda_graph import graphed_call
 from titan_strategy.parallelize.float8 import Float8Recipe
 from titan_strategy.parallelize.fsdp import ReshardPolicy, no_gradient_sync
-from titan_strategy.parallelize.materialize import materialize_with_reset_parameters
+from titan_strategy.parallelize.materialize import materialize_with_own_initializers
+from titan_strategy.parallelize.plain import check_gradients_are_synchronized, is_self_parallelized, plain_plan
 from titan_strategy.pipeline.layout import PipelineConfig, ScheduleName
 from titan_strategy.plan import PlannedModule
 from titan_strategy.precision import TitanPrecision, configure_precision, drop_lightnings_amp_line, to_titan_precision
@@ -57,14 +58,18 @@ from titan_strategy.step_metrics import log_step_metric
 __all__ = ["TitanStrategy"]
 
 _NOT_KNOBS = ("self", "__class__", *PLUGIN_ARGUMENTS)
+_STEP_METHODS = {"train": "training_step", "val": "validation_step", "test": "test_step"}
+_STEP_CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step_context",
+                  "test_step": "test_step_context", "predict_step": "predict_step_context"}
 
 
 class TitanStrategy(ParallelStrategy):
     """Train a LightningModule under FSDP2/HSDP on a named 5-D DeviceMesh ``(pp, dp_replicate, dp_shard, cp, tp)``.
 
-    A module that declares a ``parallel_plan()`` is built on the meta device and parallelized by the strategy;
-    one that parallelizes itself in ``configure_model`` (ModelParallelStrategy style) is left alone. Both see
-    the mesh as ``self.device_mesh``. How ``"bf16-mixed"`` runs is ``precision.configure_precision``'s choice.
+    A module that declares a ``parallel_plan()`` is parallelized by the strategy from it; one that parallelizes
+    itself in ``configure_model`` (ModelParallelStrategy style) is left alone; any other is sharded with FSDP2/HSDP
+    over its repeated blocks (``parallelize.plain``). All see the mesh as ``self.device_mesh``. How ``"bf16-mixed"``
+    runs is ``precision.configure_precision``'s choice.
 
     Args:
         data_parallel_replicate_size: HSDP replicas (parameters replicated across them).
@@ -249,8 +254,10 @@ class TitanStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Always meta: configure_model must never allocate the full model on any rank.
-        with torch.device("meta"):
+        # Meta (configure_model, init_module()): no rank ever allocates the full model, and setup initializes the
+        # shards. init_module(empty_init=False) asks for real weights instead; setup keeps them.
+        device = torch.device("meta") if empty_init is not False else self.root_device
+        with device, self.precision_plugin.tensor_init_context():
             yield
 
     @override
@@ -260,6 +267,7 @@ class TitanStrategy(ParallelStrategy):
         module, precision = self.lightning_module, self.precision_plugin
         assert isinstance(precision, TitanPrecision)
         self._parallelize_or_materialize(module, precision)
+        check_gradients_are_synchronized(module, self.device_mesh["batch"])
         if self.config.compile.loss:
             apply_compile_loss(module)
         precision.on_grad_norm = functools.partial(log_step_metric, module, "grad_norm", bar_name="gnorm")
@@ -288,16 +296,21 @@ class TitanStrategy(ParallelStrategy):
                 self._training_position.load(peer_state)
 
     def _parallelize_or_materialize(self, module: pl.LightningModule, precision: TitanPrecision) -> None:
-        """A planned module is parallelized once (a later validate/test keeps it); one that parallelized itself
-        keeps Lightning's semantics: it is materialized through its ``reset_parameters()``."""
-        if not isinstance(module, PlannedModule):
-            materialize_with_reset_parameters(self.model, self.root_device)
-            return
+        """Parallelize a module once (a later validate/test keeps it): from its own plan, or from the plan derived
+        for a plain module (``parallelize.plain``). One that parallelized itself is left alone and materialized by
+        its own initializers, as Lightning does."""
         if self.runtime is not None and self.runtime.plan.model in module.modules():
             return
-        self.runtime = parallelize(module.parallel_plan(), self.device_mesh, self.parallel_dims, self.config,
-                                   self.root_device, param_dtype=precision.param_dtype,
-                                   reduce_dtype=precision.reduce_dtype,
+        precision.convert_module(module)
+        if isinstance(module, PlannedModule):
+            plan = module.parallel_plan()
+        elif is_self_parallelized(module):
+            materialize_with_own_initializers(module, self.root_device)
+            return
+        else:
+            plan = plain_plan(module, self.parallel_dims)
+        self.runtime = parallelize(plan, self.device_mesh, self.parallel_dims, self.config, self.root_device,
+                                   param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
                                    pipeline_loss=getattr(module, "pipeline_loss", None),
                                    host_group=self._groups.host_control)
 
@@ -308,30 +321,47 @@ class TitanStrategy(ParallelStrategy):
 
     # ---- steps: each delegates to the runtime of the parallelized model ---------------------------
 
-    def _step(self, stage: Stage, module_step: Callable[..., STEP_OUTPUT], args: tuple, kwargs: dict) -> STEP_OUTPUT:
+    def _step(self, stage: Stage, args: tuple, kwargs: dict) -> STEP_OUTPUT:
+        module_step = self._module_step(_STEP_METHODS[stage])
         if self.runtime is None:
             return module_step(*args, **kwargs)
         return self.runtime.step(self.lightning_module, stage, module_step, args, kwargs)
+
+    def _module_step(self, name: str) -> Callable[..., STEP_OUTPUT]:
+        """Lightning's step ``name``; where FSDP's root is the LightningModule itself (a plain module's plan), the
+        step runs as that root's forward, so FSDP gathers the parameters it holds outside its blocks."""
+        lightning_step = getattr(super(), name)
+        runtime = self.runtime
+        if runtime is None or not runtime.sharded or runtime.plan.model is not self.lightning_module:
+            return lightning_step
+        step_context = getattr(self.precision_plugin, _STEP_CONTEXTS[name])
+
+        def step(*args: Any, **kwargs: Any) -> STEP_OUTPUT:
+            with step_context():
+                return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+
+        return step
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self._replicas is not None:  # this replica group's rows of the batch
             args = (self._replicas.share(args[0]), *args[1:])
-        return self._step("train", super().training_step, args, kwargs)
+        return self._step("train", args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step("val", super().validation_step, args, kwargs)
+        return self._step("val", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step("test", super().test_step, args, kwargs)
+        return self._step("test", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        module_step = self._module_step("predict_step")
         if self.runtime is None:
-            return super().predict_step(*args, **kwargs)
-        return self.runtime.predict_step(super().predict_step, args, kwargs)
+            return module_step(*args, **kwargs)
+        return self.runtime.predict_step(module_step, args, kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: torch.optim.Optimizer | None, *args: Any,

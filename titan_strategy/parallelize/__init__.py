@@ -17,7 +17,7 @@ from titan_strategy.parallelize.context_parallel import SequenceSharder, apply_c
 from titan_strategy.parallelize.cuda_graph import apply_cuda_graphs
 from titan_strategy.parallelize.float8 import apply_float8
 from titan_strategy.parallelize.fsdp import apply_fsdp, fsdp_wraps
-from titan_strategy.parallelize.materialize import materialize
+from titan_strategy.parallelize.materialize import broadcast_real_tensors, materialize
 from titan_strategy.parallelize.tensor_parallel import apply_tp, check_tp_plan
 from titan_strategy.pipeline.layout import PipelineLayout
 from titan_strategy.pipeline.runner import BoundaryFn, LossFn, PipelineRunner, boundary_activation
@@ -68,7 +68,8 @@ def check_plan(plan: ParallelPlan, dims: ParallelDims, config: TitanConfig) -> P
 def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config: TitanConfig, device: torch.device,
                 *, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                 pipeline_loss: LossFn | None = None, host_group: dist.ProcessGroup | None = None) -> ParallelRuntime:
-    """Parallelize ``plan.model`` in place (it is on the meta device), materialize it, and return its runtime.
+    """Parallelize ``plan.model`` in place, materialize it, and return its runtime. What it built on the meta device
+is initialized by ``plan.init_weights``; tensors it arrived with keep their values (rank 0's).
 
     ``param_dtype``/``reduce_dtype`` are FSDP's mixed precision; ``pipeline_loss`` is the loss of one
     microbatch under PP (default: ``token_cross_entropy``, summed over the tokens not labelled -100);
@@ -90,6 +91,7 @@ def parallelize(plan: ParallelPlan, mesh: TitanMesh, dims: ParallelDims, config:
     benchmarks/RESULTS.md): the model stays unwrapped and mixed precision is left to autocast.
     """
     layout = check_plan(plan, dims, config)
+    broadcast_real_tensors(plan.model, host_group)
     parts = [plan.model]
     if layout is not None:
         assert plan.pipeline is not None

@@ -1,8 +1,11 @@
-"""Allocate a meta-device model on its device and initialize it identically for any layout."""
+"""Give a model real tensors on its device: the weights it arrived with are kept, and what was built on the meta
+device is initialized by the model's own initializer, identically for any layout."""
 
 from __future__ import annotations
 
+import functools
 import itertools
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -11,10 +14,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_strategy.distributed import outside_simulated_ranks
+from titan_strategy.distributed import is_rehearsal, outside_simulated_ranks, simulating_ranks
 from titan_strategy.plan import ParamFiller
 
-__all__ = ["materialize", "materialize_with_reset_parameters", "fill_sharded"]
+__all__ = ["broadcast_real_tensors", "fill_sharded", "materialize", "materialize_with_own_initializers",
+           "own_initializers"]
+
+Initializer = Callable[[], None]
+"""Initializes one module's own parameters and buffers in place."""
 
 
 def fill_sharded(param: nn.Parameter, initializer: Callable[[Tensor], None]) -> None:
@@ -44,42 +51,115 @@ def shared_seed(device: torch.device) -> int:
     return int(seed.item())
 
 
+def _tensors(module: nn.Module, recurse: bool = True) -> Iterator[tuple[str, Tensor]]:
+    return itertools.chain(module.named_parameters(recurse=recurse), module.named_buffers(recurse=recurse))
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def materialize(model: nn.Module, device: torch.device, init_weights: Callable[[int, ParamFiller], None]) -> None:
-    """``to_empty`` on ``device`` (only each rank's shards are allocated), then ``init_weights``."""
+    """``to_empty`` on ``device`` (only each rank's shards are allocated), then ``init_weights``.
+
+    A tensor that was not on the meta device holds weights the user gave (``from_pretrained``, a module built in
+    ``__init__`` or under ``init_module(empty_init=False)``): it keeps them, whatever ``init_weights`` writes. A
+    model with no meta tensor is left as it is.
+    """
+    if not any(_local(t).is_meta for _, t in _tensors(model)):
+        return
+    given = {name: _local(t).detach().clone() for name, t in _tensors(model) if not _local(t).is_meta}
     model.to_empty(device=device)
     init_weights(shared_seed(device), fill_sharded)
+    if given:
+        kept = dict(_tensors(model))
+        with torch.no_grad():
+            for name, values in given.items():
+                _local(kept[name]).copy_(values)
 
 
-def materialize_with_reset_parameters(module: nn.Module, device: torch.device) -> None:
-    """For a module that parallelized itself: ``to_empty``, then every submodule's ``reset_parameters()``.
+def broadcast_real_tensors(model: nn.Module, host_group: dist.ProcessGroup | None) -> None:
+    """Rank 0's weights on every rank, for every tensor the model arrived with (as DDP does at its start).
 
-    This is Lightning's contract for meta-device modules, with one fix: each ``reset_parameters`` sees
-    full-size tensors and its output is then sliced into the shards, so the weights do not depend on
-    the layout (on CPU, DTensor's random ops would give every shard the same numbers).
+    Sharding keeps each rank's slice of its own copy: ranks that built their weights from different random
+    states would otherwise train a model no rank ever held. CPU tensors go over ``host_group`` (gloo), others over
+    the default group.
     """
-    if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+    if not dist.is_initialized() or dist.get_world_size() == 1 or is_rehearsal() or simulating_ranks():
         return
-    module.to_empty(device=device)
-    uninitialized = set()
-    for submodule in module.modules():
-        if not any(True for _ in itertools.chain(submodule.parameters(recurse=False),
-                                                 submodule.buffers(recurse=False))):
+    with torch.no_grad():
+        for _, tensor in _tensors(model):
+            local = _local(tensor)
+            if not local.is_meta:
+                dist.broadcast(local, src=0, group=host_group if local.device.type == "cpu" else None)
+
+
+def _pretrained_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
+    """Each submodule's nearest enclosing transformers ``PreTrainedModel`` (itself included), where it has one."""
+    transformers = sys.modules.get("transformers")  # a model of transformers' has imported it already
+    if transformers is None:
+        return {}
+    owners: dict[nn.Module, nn.Module] = {}
+
+    def visit(module: nn.Module, owner: nn.Module | None) -> None:
+        owner = module if isinstance(module, transformers.PreTrainedModel) else owner
+        if owner is not None:
+            owners[module] = owner
+        for child in module.children():
+            visit(child, owner)
+
+    visit(model, None)
+    return owners
+
+
+def own_initializers(model: nn.Module) -> list[tuple[nn.Module, Initializer]]:
+    """The initializer of every submodule that holds meta tensors of its own, in module order: a transformers
+    model's ``_init_weights`` (what ``from_config``/``post_init`` would run), else ``reset_parameters()``.
+
+    Raises:
+        TypeError: a submodule holds meta tensors and has neither; names each one, before any tensor is allocated.
+    """
+    owners = _pretrained_owners(model)
+    chosen, missing = [], []
+    for name, module in model.named_modules():
+        if not any(_local(t).is_meta for _, t in _tensors(module, recurse=False)):
             continue
-        reset = getattr(submodule, "reset_parameters", None)
-        if not callable(reset):
-            uninitialized.add(type(submodule).__name__)
-            continue
-        with _full_size_parameters(submodule):
-            reset()
-    if uninitialized:
+        if module in owners:
+            chosen.append((module, functools.partial(owners[module]._init_weights, module)))
+        elif callable(reset := getattr(module, "reset_parameters", None)):
+            chosen.append((module, reset))
+        else:
+            missing.append(f"{name or '<root>'} ({type(module).__name__})")
+    if missing:
         raise TypeError(
-            f"Modules {sorted(uninitialized)} hold parameters or buffers but define no reset_parameters(), so they "
-            "would keep uninitialized memory after leaving the meta device; give them a reset_parameters()."
+            f"Modules {missing} were built on the meta device (in configure_model() or under init_module()) but have "
+            "no initializer: they define no reset_parameters() and are not part of a transformers PreTrainedModel. "
+            "Give them a reset_parameters(), or build them in __init__ with their weights (which are kept)."
         )
+    return chosen
+
+
+def run_initializers(initializers: list[tuple[nn.Module, Initializer]], seed: int, fill: ParamFiller) -> None:
+    """``init_weights`` of a model initialized by its own modules: each sees full-size parameters (``fill`` writes
+    them into the shards), and the random numbers come from ``seed`` alone, so every layout gets the same weights
+    and the training's random state is left as it was."""
+    devices = sorted({p.device.index or 0 for module, _ in initializers for p in module.parameters()
+                      if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        for module, initialize in initializers:
+            with _full_size_parameters(module, fill):
+                initialize()
+
+
+def materialize_with_own_initializers(model: nn.Module, device: torch.device) -> None:
+    """``materialize`` for a module that parallelized itself (ModelParallelStrategy style): Lightning's contract
+    for meta-device modules (``reset_parameters()``), with transformers models initialized as transformers does."""
+    materialize(model, device, functools.partial(run_initializers, own_initializers(model)))
 
 
 @contextmanager
-def _full_size_parameters(module: nn.Module) -> Iterator[None]:
+def _full_size_parameters(module: nn.Module, fill: ParamFiller) -> Iterator[None]:
     """Temporarily replace the module's own DTensor parameters by full tensors; write the shards back."""
     sharded = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}
     for name, param in sharded.items():
@@ -91,5 +171,5 @@ def _full_size_parameters(module: nn.Module) -> Iterator[None]:
         for name, param in sharded.items():
             full = module._parameters[name]
             with torch.no_grad():
-                fill_sharded(param, lambda t, full=full: t.copy_(full))
+                fill(param, lambda t, full=full: t.copy_(full))
             module._parameters[name] = param

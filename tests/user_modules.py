@@ -1,0 +1,182 @@
+"""Training runs of modules nobody here wrote (a plain ``nn.Module`` LightningModule, Lightning's ``BoringModel``,
+tiny transformers causal LMs), under TitanStrategy or Lightning's DDP: ``RunSpec.user_module`` picks one, and
+tests/train_worker.py hands such a spec to ``main`` here.
+
+``user_module`` keys (all but ``kind`` optional):
+    kind: "mlp" (an ``nn.Module`` stack in a ModuleList), "boring" (Lightning's BoringModel), "llama" or "qwen2".
+    build: "init" (in ``__init__``), "configure_model", or "init_module" (``__init__`` under
+        ``trainer.init_module(empty_init=False)``, every weight then filled with 0.5).
+    pretrained: a transformers model folder that ``__init__`` loads with ``from_pretrained``.
+    strategy: "titan" (``RunSpec.strategy`` its arguments) or "ddp".
+    swa: add ``StochasticWeightAveraging``; barebones: ``Trainer(barebones=True)``; log_every_n_steps: the Trainer's.
+    save_distributed_checkpoint: TitanStrategy's.
+
+Each rank's record: ``losses`` (each step's loss, averaged over the data-parallel ranks), ``weights_at_start`` and
+``weights`` (each parameter's full sum and sum of squares at ``on_train_start`` and after fit), ``param_dtypes``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from tests.run_spec import RunSpec
+from titan_strategy import TitanStrategy
+
+VOCAB = 256
+HF_SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def hf_model(kind: str) -> nn.Module:
+    """A random tiny transformers causal LM of ``kind`` ("llama" or "qwen2"), on the current default device."""
+    import transformers
+
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_SHAPE))
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**HF_SHAPE))
+
+
+class CausalLM(L.LightningModule):
+    """A user's LightningModule around a transformers causal LM: built in ``__init__`` (random or
+    ``from_pretrained``) or in ``configure_model``; the loss is transformers' own (labels shifted inside)."""
+
+    def __init__(self, kind: str, build: str, pretrained: str | None = None, log: bool = True) -> None:
+        super().__init__()
+        self.kind, self.build, self.pretrained, self.logs = kind, build, pretrained, log
+        self.model: nn.Module | None = None
+        if pretrained is not None:
+            import transformers
+
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
+        elif build != "configure_model":
+            self.model = hf_model(kind)
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = hf_model(self.kind)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        if self.logs:
+            self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+class MLP(L.LightningModule):
+    """A DDP-style module: an embedding, a ModuleList of identical blocks and a head, all built in ``__init__``;
+    regression on AffineSequences' tokens as floats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x).squeeze(-1)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        features = batch["input_ids"][:, :8].float() / VOCAB
+        return nn.functional.mse_loss(self(features), batch["labels"][:, 8].float() / VOCAB)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class Boring(BoringModel):
+    """Lightning's BoringModel, fed AffineSequences' tokens as floats."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        return super().training_step(batch["input_ids"].float() / VOCAB, batch_idx)
+
+
+def weight_sums(module: nn.Module) -> dict[str, list[float]]:
+    """Each parameter's full sum and sum of squares (in float64); a collective where parameters are sharded."""
+    sums = {}
+    for name, param in module.named_parameters():
+        full = (param.full_tensor() if isinstance(param, DTensor) else param).detach().double()
+        sums[name] = [float(full.sum()), float(full.square().sum())]
+    return sums
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.weights_at_start: dict[str, list[float]] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.weights_at_start = weight_sums(pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        self.losses.append(float(loss))
+
+
+def _module(options: dict[str, Any], trainer: L.Trainer) -> L.LightningModule:
+    kind, build = options["kind"], options.get("build", "init")
+    if kind == "mlp":
+        return MLP()
+    if kind == "boring":
+        return Boring()
+    if build == "init_module":
+        with trainer.init_module(empty_init=False):
+            module = CausalLM(kind, "init", log=not options.get("barebones", False))
+        with torch.no_grad():
+            for param in module.parameters():
+                param.fill_(0.5)
+        return module
+    return CausalLM(kind, build, options.get("pretrained"), log=not options.get("barebones", False))
+
+
+def main(spec: RunSpec, out_dir: Path) -> None:
+    options = spec.user_module
+    assert options is not None
+    L.seed_everything(spec.seed, verbose=False)
+    if options.get("strategy", "titan") == "ddp":
+        strategy: Any = "ddp"
+    else:
+        strategy = TitanStrategy(**spec.strategy, timeout_seconds=spec.timeout_seconds)
+    recorder = Recorder()
+    callbacks: list[Callback] = [recorder]
+    if options.get("swa"):
+        callbacks.append(StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1))
+    barebones = options.get("barebones", False)
+    trainer = L.Trainer(accelerator=spec.accelerator, devices=spec.devices, strategy=strategy,
+                        precision=spec.precision, max_steps=spec.steps, callbacks=callbacks, barebones=barebones,
+                        log_every_n_steps=options.get("log_every_n_steps"),
+                        **({} if barebones else {"logger": False, "enable_checkpointing": False,
+                                                 "enable_progress_bar": False, "enable_model_summary": False}),
+                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(out_dir))
+    module = _module(options, trainer)
+    from tests.train_worker import AffineSequences
+
+    loader = DataLoader(AffineSequences(spec.samples, spec.seq_len, VOCAB), batch_size=spec.batch_size)
+    trainer.fit(module, loader, ckpt_path=spec.resume_from)
+    record = {"losses": recorder.losses, "weights_at_start": recorder.weights_at_start,
+              "weights": weight_sums(module), "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+              "global_step": trainer.global_step}
+    (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
