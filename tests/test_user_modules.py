@@ -99,3 +99,47 @@ def test_weights_given_in_init_reach_training_unchanged(pretrained: Path, tmp_pa
     for record in filled:  # init_module(empty_init=False), then every weight filled with 0.5
         for name, (total, squares) in record["weights_at_start"].items():
             assert squares == pytest.approx(total / 2, rel=1e-12), name
+
+
+def test_lightnings_contracts_hold(tmp_path: Path, test_env: dict[str, str]) -> None:
+    # self.device_mesh is a torch DeviceMesh with the named views, and it deep-copies and pickles; SWA (which
+    # deep-copies the module) trains on one device and averages; barebones and log_every_n_steps=0 train.
+    short = replace(RUN, steps=16, samples=64)  # 2 epochs of 8 batches: SWA starts averaging in the second
+    swa = _run(tmp_path, test_env, 1, "swa", short, kind="mlp", swa=True)[0]
+    plain = _run(tmp_path, test_env, 1, "plain", short, kind="mlp")[0]
+    assert swa["losses"][:8] == plain["losses"][:8]  # the same first epoch; then the averaged weights differ
+    assert swa["weights"] != plain["weights"]
+    for options in ({"barebones": True}, {"log_every_n_steps": 0}):
+        records = _run(tmp_path, test_env, 2, str(options), kind="llama", **options)
+        assert all(record["global_step"] == RUN.steps for record in records)
+        assert records[0]["losses"][-1] < records[0]["losses"][0]
+    mesh = records[0]["mesh"]
+    assert mesh["is_device_mesh"] and mesh["names"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
+    assert mesh["views"] == {"data_parallel": 2, "tensor_parallel": 1, "batch": 2, "loss": 2, "dp_shard_cp": 2}
+    assert mesh["deep_copied"] == mesh["unpickled"] == 2
+
+
+def test_bf16_true_trains_with_bf16_parameters(tmp_path: Path, test_env: dict[str, str]) -> None:
+    spec = replace(RUN, precision="bf16-true")
+    one = _run(tmp_path, test_env, 1, "one", spec, kind="llama")[0]
+    two = _run(tmp_path, test_env, 2, "two", spec, kind="llama")
+    assert one["param_dtypes"] == two[0]["param_dtypes"] == ["torch.bfloat16"]
+    # FSDP reduces the gradients in fp32 where one process has none to reduce: bf16 rounding apart, the same run.
+    torch.testing.assert_close(two[0]["losses"], one["losses"], rtol=2e-2, atol=0)
+    assert two[0]["losses"][-1] < two[0]["losses"][0]
+
+
+@pytest.mark.parametrize(("options", "strategy", "error"), [
+    ({"kind": "mlp"}, {"tensor_parallel_size": 2},
+     r"tensor_parallel_size=2 was asked for, but MLP declares no parallel_plan\(\) and parallelized nothing itself"),
+    ({"kind": "mlp", "build": "shard_one_block"}, {},
+     r"RuntimeError: 8 trainable parameters \(embed.weight, embed.bias, blocks.1.0.weight, .*\) would train as "
+     r"unsynchronized replicas on the 2 data-parallel ranks"),
+    ({"kind": "mlp", "swa": True}, {}, r"StochasticWeightAveraging averages an unsharded copy .* over 2 processes"),
+])
+def test_what_would_train_wrong_is_refused_before_the_first_step(options: dict[str, Any], strategy: dict[str, Any],
+                                                                 error: str, tmp_path: Path,
+                                                                 test_env: dict[str, str]) -> None:
+    with pytest.raises(AssertionError, match=error):
+        _run(tmp_path, test_env, 2, "refused", replace(RUN, strategy=strategy), **options)
+    assert not list((tmp_path / "refused").glob("rank*.json"))

@@ -5,7 +5,8 @@ tests/train_worker.py hands such a spec to ``main`` here.
 ``user_module`` keys (all but ``kind`` optional):
     kind: "mlp" (an ``nn.Module`` stack in a ModuleList), "boring" (Lightning's BoringModel), "llama" or "qwen2".
     build: "init" (in ``__init__``), "configure_model", or "init_module" (``__init__`` under
-        ``trainer.init_module(empty_init=False)``, every weight then filled with 0.5).
+        ``trainer.init_module(empty_init=False)``, every weight then filled with 0.5); for "mlp", "shard_one_block"
+        (``configure_model`` shards its first block over ``device_mesh["data_parallel"]`` and nothing else).
     pretrained: a transformers model folder that ``__init__`` loads with ``from_pretrained``.
     strategy: "titan" (``RunSpec.strategy`` its arguments) or "ddp".
     swa: add ``StochasticWeightAveraging``; barebones: ``Trainer(barebones=True)``; log_every_n_steps: the Trainer's.
@@ -17,7 +18,9 @@ Each rank's record: ``losses`` (each step's loss, averaged over the data-paralle
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -80,11 +84,18 @@ class MLP(L.LightningModule):
     """A DDP-style module: an embedding, a ModuleList of identical blocks and a head, all built in ``__init__``;
     regression on AffineSequences' tokens as floats."""
 
-    def __init__(self) -> None:
+    def __init__(self, shard_one_block: bool = False) -> None:
         super().__init__()
+        self.shard_one_block = shard_one_block
         self.embed = nn.Linear(8, 32)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
         self.head = nn.Linear(32, 1)
+
+    def configure_model(self) -> None:
+        if self.shard_one_block:  # a ModelParallelStrategy-style module that forgot the rest
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.blocks[0], mesh=self.device_mesh["data_parallel"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
@@ -120,9 +131,17 @@ class Recorder(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.weights_at_start: dict[str, list[float]] = {}
+        self.mesh: dict[str, Any] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.weights_at_start = weight_sums(pl_module)
+        if isinstance(trainer.strategy, TitanStrategy):  # what code written for ModelParallelStrategy relies on
+            mesh = pl_module.device_mesh
+            self.mesh = {"is_device_mesh": isinstance(mesh, DeviceMesh), "names": list(mesh.mesh_dim_names),
+                         "views": {name: mesh[name].size() for name in ("data_parallel", "tensor_parallel", "batch",
+                                                                        "loss", "dp_shard_cp")},
+                         "deep_copied": copy.deepcopy(mesh)["batch"].size(),
+                         "unpickled": pickle.loads(pickle.dumps(mesh))["data_parallel"].size()}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -136,7 +155,7 @@ class Recorder(Callback):
 def _module(options: dict[str, Any], trainer: L.Trainer) -> L.LightningModule:
     kind, build = options["kind"], options.get("build", "init")
     if kind == "mlp":
-        return MLP()
+        return MLP(shard_one_block=build == "shard_one_block")
     if kind == "boring":
         return Boring()
     if build == "init_module":
@@ -175,7 +194,7 @@ def main(spec: RunSpec, out_dir: Path) -> None:
     trainer.fit(module, loader, ckpt_path=spec.resume_from)
     record = {"losses": recorder.losses, "weights_at_start": recorder.weights_at_start,
               "weights": weight_sums(module), "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
-              "global_step": trainer.global_step}
+              "global_step": trainer.global_step, "mesh": recorder.mesh}
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
     if dist.is_initialized():
         dist.barrier()

@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from titan_strategy.callbacks.flight_recorder import attach_flight_recorder
 from titan_strategy.callbacks.model_summary import with_training_flops
+from titan_strategy.callbacks.weight_averaging import check_weight_averaging
 from titan_strategy.checkpoint import DistributedCheckpointIO, RankPlace, load_model_weights, optimizer_state_dict
 from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
 from titan_strategy.checkpoint.io import CheckpointMode, checked_checkpoint_io, checkpoint_io_for
@@ -149,6 +150,7 @@ class TitanStrategy(ParallelStrategy):
         self._titan_checkpoint_io = checkpoint_io_for(checkpoint_mode, checkpoint_io)
         super().__init__(cluster_environment=cluster_environment)
         self.runtime: ParallelRuntime | None = None
+        self._set_up_module: pl.LightningModule | None = None  # parallelized or materialized: later setups keep it
         self._master_weights: MasterWeights | None = None
         self._groups: ProcessGroups | None = None
         self._replicas: ReplicaGroups | None = None
@@ -267,7 +269,7 @@ class TitanStrategy(ParallelStrategy):
         module, precision = self.lightning_module, self.precision_plugin
         assert isinstance(precision, TitanPrecision)
         self._parallelize_or_materialize(module, precision)
-        check_gradients_are_synchronized(module, self.device_mesh["batch"])
+        check_weight_averaging(trainer, module)
         if self.config.compile.loss:
             apply_compile_loss(module)
         precision.on_grad_norm = functools.partial(log_step_metric, module, "grad_norm", bar_name="gnorm")
@@ -298,21 +300,25 @@ class TitanStrategy(ParallelStrategy):
     def _parallelize_or_materialize(self, module: pl.LightningModule, precision: TitanPrecision) -> None:
         """Parallelize a module once (a later validate/test keeps it): from its own plan, or from the plan derived
         for a plain module (``parallelize.plain``). One that parallelized itself is left alone and materialized by
-        its own initializers, as Lightning does."""
-        if self.runtime is not None and self.runtime.plan.model in module.modules():
+        its own initializers, as Lightning does. Either way no parameter may be left out of the gradient reduction
+        (checked once: an evaluation forward leaves FSDP's last unit unsharded, as plain tensors)."""
+        if self._set_up_module is module:
             return
         precision.convert_module(module)
         if isinstance(module, PlannedModule):
             plan = module.parallel_plan()
         elif is_self_parallelized(module):
+            plan = None
             materialize_with_own_initializers(module, self.root_device)
-            return
         else:
             plan = plain_plan(module, self.parallel_dims)
-        self.runtime = parallelize(plan, self.device_mesh, self.parallel_dims, self.config, self.root_device,
-                                   param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-                                   pipeline_loss=getattr(module, "pipeline_loss", None),
-                                   host_group=self._groups.host_control)
+        if plan is not None:
+            self.runtime = parallelize(plan, self.device_mesh, self.parallel_dims, self.config, self.root_device,
+                                       param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+                                       pipeline_loss=getattr(module, "pipeline_loss", None),
+                                       host_group=self._groups.host_control)
+        check_gradients_are_synchronized(module, self.device_mesh["batch"])
+        self._set_up_module = module
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
