@@ -1,7 +1,8 @@
 """``titan``: LightningCLI over LlamaModule + TextDataModule (``titan fit --config configs/debug.yaml``),
 ``titan plan`` (the capacity planner, ``llama_module/plan_cli.py``), ``titan rehearse`` (one rank of a
-multi-GPU config on this device, ``llama_module/rehearse_cli.py``) and ``titan report`` (a picture of a run,
-``titan_strategy/report.py``)."""
+multi-GPU config on this device, ``llama_module/rehearse_cli.py``), ``titan report`` (a picture of a run,
+``titan_strategy/report.py``) and ``titan convert`` (a checkpoint folder as one file,
+``titan_strategy/checkpoint/convert.py``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ More commands:
   titan plan --model 8B --gpus 128       rank layouts by speed and memory; --check CONFIG.yaml: does it fit?
   titan rehearse --config CONFIG.yaml    run one rank of a multi-GPU config on this device: memory, compute
   titan report RUN_DIR                   one PNG of a run from its logs: loss, tokens/s and MFU, memory, saves
+  titan convert CKPT_DIR OUT.ckpt        a TitanStrategy checkpoint folder as one .ckpt any Trainer resumes
   titan-hf export|import ...             weights to and from Hugging Face transformers
   titan-fr analyze RUN_DIR               explain a hang from the Flight Recorder dumps under RUN_DIR
 Each takes --help."""
@@ -67,6 +69,10 @@ def main() -> None:
         from titan_strategy.report import main as report
 
         raise SystemExit(report(sys.argv[2:]))
+    if sys.argv[1:2] == ["convert"]:  # `titan convert CKPT_DIR OUT.ckpt`: one file any Trainer loads
+        from titan_strategy.checkpoint.convert import main as convert
+
+        raise SystemExit(convert(sys.argv[2:]))
     if sys.argv[1:2] == ["rehearse"]:  # `titan rehearse ...`: one rank of the config on this device
         from llama_module.rehearse_cli import main as rehearse
 

@@ -158,3 +158,30 @@ def test_a_single_device_trains_without_fsdp_under_autocast(tmp_path: Path) -> N
     assert not any(isinstance(m, FSDPModule) for m in module.modules())
     assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 for p in module.parameters())
     assert logits_dtypes == [torch.bfloat16] * 2
+
+
+def test_a_checkpoint_path_of_neither_form_is_refused_saying_what_it_is(tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    from titan_strategy.checkpoint import RankPlace, load_checkpoint
+    from titan_strategy.checkpoint.single_file import load_single_file
+
+    model = nn.Linear(2, 2)
+    unsafe = tmp_path / "unsafe.ckpt"  # a Path in the hyper-parameters: unpickling it runs code
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": {"data": tmp_path}}, unsafe)
+    with pytest.raises(ValueError, match=r"holds more than tensors and plain containers .* If you trust the file, "
+                                         r"pass weights_only=False"):
+        load_single_file(unsafe, model, [], strict=True, weights_only=None)
+    assert load_single_file(unsafe, model, [], strict=True, weights_only=False)["hyper_parameters"]
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(ValueError, match=r"list.pt is a file but not a Lightning checkpoint: it has no 'state_dict'"):
+        load_single_file(tmp_path / "list.pt", model, [], strict=True, weights_only=None)
+    torch.save({"state_dict": {"weight": torch.zeros(2, 2)}}, tmp_path / "partial.ckpt")
+    with pytest.raises(KeyError, match=r"missing \['bias'\], unexpected \[\]"):
+        load_single_file(tmp_path / "partial.ckpt", model, [], strict=True, weights_only=None)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "notes.txt").write_text("")
+    place = RankPlace(rank=0, world_size=1, batch_rank=0, batch_world_size=1)
+    with pytest.raises(FileNotFoundError, match=r"it is a folder of \['notes.txt'\] with no titan_checkpoint.json"):
+        load_checkpoint(tmp_path / "folder", model, [], place, strict=True, weights_only=None, group=None)

@@ -25,7 +25,9 @@ RUN = RunSpec(steps=4, batch_size=GLOBAL_BATCH, samples=64, seq_len=32)
 
 def _run(tmp_path: Path, env: dict[str, str], nproc: int, name: str, spec: RunSpec = RUN,
          **user_module: Any) -> list[dict[str, Any]]:
-    spec = replace(spec, batch_size=spec.batch_size // nproc, user_module=user_module)
+    """``spec`` on ``nproc`` processes, its ``batch_size`` the global batch (split over the data-parallel ranks)."""
+    data_parallel = nproc // spec.strategy.get("tensor_parallel_size", 1)
+    spec = replace(spec, batch_size=spec.batch_size // data_parallel, user_module=user_module)
     return launch(nproc, spec, tmp_path / name, env)
 
 
@@ -39,16 +41,18 @@ def _assert_same_run(records: list[dict[str, Any]], reference: dict[str, Any], r
         torch.testing.assert_close(records[0]["weights"][name], sums, rtol=rtol, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize(("kind", "build", "nproc"), [
-    ("mlp", "init", 2),
-    ("boring", "init", 2),
-    ("llama", "init", 4),
-    ("qwen2", "configure_model", 2),
+@pytest.mark.parametrize(("kind", "build", "nproc", "strategy"), [
+    ("mlp", "init", 2, {}),
+    ("boring", "init", 2, {}),
+    ("llama", "init", 4, {}),
+    ("qwen2", "configure_model", 2, {}),
+    # HSDP over 2 x 2, and the decoder layers (found from _no_split_modules) checkpointed
+    ("llama", "configure_model", 4, {"data_parallel_replicate_size": 2, "activation_checkpointing": "full"}),
 ])
-def test_a_plain_module_trains_as_one_process(kind: str, build: str, nproc: int, tmp_path: Path,
-                                              test_env: dict[str, str]) -> None:
+def test_a_plain_module_trains_as_one_process(kind: str, build: str, nproc: int, strategy: dict[str, Any],
+                                              tmp_path: Path, test_env: dict[str, str]) -> None:
     one = _run(tmp_path, test_env, 1, "one", kind=kind, build=build)[0]
-    many = _run(tmp_path, test_env, nproc, "many", kind=kind, build=build)
+    many = _run(tmp_path, test_env, nproc, "many", replace(RUN, strategy=strategy), kind=kind, build=build)
     _assert_same_run(many, one)
 
 
@@ -143,3 +147,37 @@ def test_what_would_train_wrong_is_refused_before_the_first_step(options: dict[s
     with pytest.raises(AssertionError, match=error):
         _run(tmp_path, test_env, 2, "refused", replace(RUN, strategy=strategy), **options)
     assert not list((tmp_path / "refused").glob("rank*.json"))
+
+
+def test_checkpoints_travel_between_ddp_and_titan(tmp_path: Path, test_env: dict[str, str]) -> None:
+    # DDP's .ckpt, saved mid-epoch -> TitanStrategy dp2 x tp2 resumes it (its data position from Lightning's loops)
+    # -> a whole .ckpt at the epoch's end (save_distributed_checkpoint=False) -> a plain DDP Trainer resumes that:
+    # the continued losses are those of one uninterrupted run (epochs of 4 steps of 8 of 32 samples).
+    run = replace(RUN, samples=32, steps=8)
+    ddp, titan = {"kind": "tiny_llama", "strategy": "ddp"}, {"kind": "tiny_llama"}
+    straight = _run(tmp_path, test_env, 2, "straight", run, **ddp)[0]["losses"]
+    first, second = tmp_path / "ddp.ckpt", tmp_path / "titan.ckpt"
+    _run(tmp_path, test_env, 2, "ddp_first", replace(run, steps=2, save_at=2, save_path=str(first)), **ddp)
+    assert first.is_file()
+    middle = _run(tmp_path, test_env, 4, "titan_middle",
+                  replace(run, steps=4, resume_from=str(first), save_at=4, save_path=str(second),
+                          strategy={"tensor_parallel_size": 2}), save_distributed_checkpoint=False, **titan)
+    assert second.is_file()
+    last = _run(tmp_path, test_env, 2, "ddp_last", replace(run, resume_from=str(second)), **ddp)
+    torch.testing.assert_close(middle[0]["losses"] + last[0]["losses"], straight[2:], rtol=1e-5, atol=0)
+
+
+def test_titan_convert_gives_a_file_a_plain_trainer_resumes(tmp_path: Path, test_env: dict[str, str]) -> None:
+    from titan_strategy.checkpoint.convert import main as titan_convert
+
+    run = replace(RUN, samples=32, steps=8)
+    straight = _run(tmp_path, test_env, 2, "straight", run, kind="tiny_llama", strategy="ddp")[0]["losses"]
+    folder, converted = tmp_path / "titan.ckpt", tmp_path / "converted.ckpt"
+    _run(tmp_path, test_env, 2, "titan", replace(run, steps=4, save_at=4, save_path=str(folder)), kind="tiny_llama")
+    assert folder.is_dir()
+    assert titan_convert([str(folder), str(converted)]) == 0
+    resumed = _run(tmp_path, test_env, 2, "resumed", replace(run, resume_from=str(converted)), kind="tiny_llama",
+                   strategy="ddp")[0]["losses"]
+    torch.testing.assert_close(resumed, straight[4:], rtol=1e-4, atol=0)
+    with pytest.raises(SystemExit):  # refuses to overwrite
+        titan_convert([str(folder), str(converted)])

@@ -3,7 +3,8 @@ tiny transformers causal LMs), under TitanStrategy or Lightning's DDP: ``RunSpec
 tests/train_worker.py hands such a spec to ``main`` here.
 
 ``user_module`` keys (all but ``kind`` optional):
-    kind: "mlp" (an ``nn.Module`` stack in a ModuleList), "boring" (Lightning's BoringModel), "llama" or "qwen2".
+    kind: "mlp" (an ``nn.Module`` stack in a ModuleList), "boring" (Lightning's BoringModel), "llama" or "qwen2";
+        "tiny_llama" is this project's LlamaModule (it declares a plan), for checkpoints exchanged with DDP.
     build: "init" (in ``__init__``), "configure_model", or "init_module" (``__init__`` under
         ``trainer.init_module(empty_init=False)``, every weight then filled with 0.5); for "mlp", "shard_one_block"
         (``configure_model`` shards its first block over ``device_mesh["data_parallel"]`` and nothing else).
@@ -11,6 +12,7 @@ tests/train_worker.py hands such a spec to ``main`` here.
     strategy: "titan" (``RunSpec.strategy`` its arguments) or "ddp".
     swa: add ``StochasticWeightAveraging``; barebones: ``Trainer(barebones=True)``; log_every_n_steps: the Trainer's.
     save_distributed_checkpoint: TitanStrategy's.
+``RunSpec.save_at``/``save_path``: ``trainer.save_checkpoint`` after that step.
 
 Each rank's record: ``losses`` (each step's loss, averaged over the data-parallel ranks), ``weights_at_start`` and
 ``weights`` (each parameter's full sum and sum of squares at ``on_train_start`` and after fit), ``param_dtypes``.
@@ -128,10 +130,11 @@ def weight_sums(module: nn.Module) -> dict[str, list[float]]:
 
 
 class Recorder(Callback):
-    def __init__(self) -> None:
+    def __init__(self, save_at: int | None, save_path: str | None) -> None:
         self.losses: list[float] = []
         self.weights_at_start: dict[str, list[float]] = {}
         self.mesh: dict[str, Any] = {}
+        self.save_at, self.save_path = save_at, save_path
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.weights_at_start = weight_sums(pl_module)
@@ -150,6 +153,8 @@ class Recorder(Callback):
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
         self.losses.append(float(loss))
+        if trainer.global_step == self.save_at:
+            trainer.save_checkpoint(self.save_path)
 
 
 def _module(options: dict[str, Any], trainer: L.Trainer) -> L.LightningModule:
@@ -158,6 +163,11 @@ def _module(options: dict[str, Any], trainer: L.Trainer) -> L.LightningModule:
         return MLP(shard_one_block=build == "shard_one_block")
     if kind == "boring":
         return Boring()
+    if kind == "tiny_llama":
+        from llama_module import LlamaModule
+        from tests.train_worker import TINY
+
+        return LlamaModule(model=TINY, warmup_steps=2, decay_steps=100, cross_entropy="logits")
     if build == "init_module":
         with trainer.init_module(empty_init=False):
             module = CausalLM(kind, "init", log=not options.get("barebones", False))
@@ -175,8 +185,9 @@ def main(spec: RunSpec, out_dir: Path) -> None:
     if options.get("strategy", "titan") == "ddp":
         strategy: Any = "ddp"
     else:
-        strategy = TitanStrategy(**spec.strategy, timeout_seconds=spec.timeout_seconds)
-    recorder = Recorder()
+        strategy = TitanStrategy(**spec.strategy, timeout_seconds=spec.timeout_seconds,
+                                 save_distributed_checkpoint=options.get("save_distributed_checkpoint", True))
+    recorder = Recorder(spec.save_at, spec.save_path)
     callbacks: list[Callback] = [recorder]
     if options.get("swa"):
         callbacks.append(StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1))

@@ -116,6 +116,7 @@ class TrainingPosition:
         self._epoch = 0
         self._samples = 0  # of ``_epoch``, trained on by every rank together
         self._loaded: dict[str, Any] | None = None
+        self._loops_position: tuple[int, int] | None = None  # (epoch, batches of it) of another strategy's save
 
     @property
     def _global_batch(self) -> int:
@@ -138,6 +139,10 @@ class TrainingPosition:
         self._epoch_samples = batches * self._global_batch
         if loaded is not None and loaded["sampler"] is not None:
             self._resume(SamplerPosition(**loaded["sampler"]))
+        elif self._loops_position is not None:  # the saving run's global batch is taken to be this run's
+            epoch, batches = self._loops_position
+            self._epoch, self._samples = epoch, batches * self._global_batch
+        self._loops_position = None
         return resumable
 
     def batch_started(self) -> None:
@@ -156,8 +161,10 @@ class TrainingPosition:
         checkpoint[self.CHECKPOINT_KEY] = {"data_parallel": self._data_parallel, "sampler": position}
 
     def load(self, checkpoint: dict[str, Any]) -> None:
-        """Keep the loaded checkpoint's position for the training loader Lightning builds next."""
+        """Keep the loaded checkpoint's position for the training loader Lightning builds next. A checkpoint of
+        another strategy (DDP's) has none of ours: its loops say how many batches of which epoch were trained."""
         self._loaded = checkpoint.get(self.CHECKPOINT_KEY)
+        self._loops_position = None if self._loaded is not None else _batches_trained(checkpoint)
 
     def current(self) -> tuple[int, int]:
         """(epoch, samples of it trained on by all ranks): where the next training iterator starts."""
@@ -182,6 +189,15 @@ class TrainingPosition:
                         position.samples, position.epoch, global_batch, sampler.num_replicas, self._batch_size,
                         position.global_batch)
         self._epoch, self._samples = position.epoch, position.samples
+
+
+def _batches_trained(checkpoint: dict[str, Any]) -> tuple[int, int] | None:
+    """(epoch, batches of it trained on) by Lightning's fit loop state in ``checkpoint``; None without one."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if progress is None:
+        return None
+    epoch, batches = checkpoint.get("epoch", 0), progress["current"]["processed"]
+    return (epoch + 1, 0) if progress.get("is_last_batch") else (epoch, batches)
 
 
 def _check_position_kept(dataloader: object, saved_degree: int, degree: int) -> None:

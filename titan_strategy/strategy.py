@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -32,6 +32,7 @@ from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
 from titan_strategy.checkpoint.io import CheckpointMode, checked_checkpoint_io, checkpoint_io_for
 from titan_strategy.checkpoint.resume import resume_from_newest
 from titan_strategy.checkpoint.rng import ResumedRngStates
+from titan_strategy.checkpoint.single_file import full_model_state, full_optimizer_state, load_single_file
 from titan_strategy.collectives import all_reduce, barrier, broadcast_object
 from titan_strategy.config import PLUGIN_ARGUMENTS, TitanConfig
 from titan_strategy.distributed import ProcessGroups, build_process_groups, init_default_group
@@ -107,6 +108,8 @@ class TitanStrategy(ParallelStrategy):
         checkpoint_mode: how checkpoints are written: "sync"; "async" (host copy in the loop, background thread);
             "async_pinned" (CUDA: pinned copy on a side stream, background process).
         auto_resume: ``fit`` without a ``ckpt_path`` resumes from the newest complete ``ModelCheckpoint`` save.
+        save_distributed_checkpoint: True: sharded DCP folders; False: one whole ``.ckpt`` file that any Lightning
+            Trainer loads. ``ckpt_path`` takes either form (and a file from any other strategy).
         save_on_sigterm: on SIGTERM (preemption) every rank saves the current step into the ``ModelCheckpoint``
             folder, waits until it is published and exits with 143, for the launcher to restart the job.
         fault_tolerance: "torchft" runs each of the ``data_parallel_replicate_size`` replicas as a torchft replica
@@ -134,6 +137,7 @@ class TitanStrategy(ParallelStrategy):
         activation_checkpointing: ACMode = "none", activation_checkpointing_every: int = 2,
         process_group_backend: str | None = None, timeout_seconds: float = 1800.0, flight_recorder: bool = False,
         initial_weights: str | None = None, checkpoint_mode: CheckpointMode = "sync", auto_resume: bool = False,
+        save_distributed_checkpoint: bool = True,
         save_on_sigterm: bool = True, fault_tolerance: FaultTolerance = "none", torchft_lighthouse: str | None = None,
         replica_group_id: int | None = None, min_replica_groups: int = 1,
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: DistributedCheckpointIO | None = None,
@@ -467,11 +471,16 @@ class TitanStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self.config.checkpoint.distributed:
+            return full_model_state(self.lightning_module)
         return get_model_state_dict(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if not self.config.checkpoint.distributed:
+            return full_optimizer_state(self.lightning_module, optimizer)
+        return optimizer_state_dict(self.lightning_module, optimizer)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -505,6 +514,11 @@ class TitanStrategy(ParallelStrategy):
         self._training_position.save(checkpoint)
         if self._replicas is not None:
             self._replicas.save(checkpoint)
+        if not self.config.checkpoint.distributed:  # rank 0 holds the whole state (full_model_state)
+            if self.is_global_zero:
+                TorchCheckpointIO().save_checkpoint(checkpoint, filepath, storage_options)
+            self.barrier()
+            return
         self.checkpoint_io.save_checkpoint(checkpoint, self.broadcast(str(filepath)), storage_options)
         if self.lightning_module.trainer.state.status != TrainerStatus.RUNNING:  # else nothing flushes it at the end
             self.checkpoint_io.flush()
@@ -512,9 +526,14 @@ class TitanStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         self.checkpoint_io.flush()
-        loaded = load_dcp_checkpoint(
-            Path(self.broadcast(str(checkpoint_path))), self.lightning_module, self.optimizers, self._rank_place(),
-            strict=self.lightning_module.strict_loading, weights_only=weights_only, group=self._groups.checkpoint)
+        path, module = Path(self.broadcast(str(checkpoint_path))), self.lightning_module
+        if path.is_file():  # a whole Lightning checkpoint, of this strategy's or another's
+            checkpoint = load_single_file(path, module, self.optimizers, strict=module.strict_loading,
+                                          weights_only=weights_only)
+            self._training_position.load(checkpoint)
+            return checkpoint
+        loaded = load_dcp_checkpoint(path, module, self.optimizers, self._rank_place(), strict=module.strict_loading,
+                                     weights_only=weights_only, group=self._groups.checkpoint)
         self._resumed_rng.loaded(loaded.rng_states, loaded.rng_before_next_epoch, self.root_device)
         self._training_position.load(loaded.lightning)
         if self._replicas is not None:

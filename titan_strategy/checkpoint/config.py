@@ -23,6 +23,9 @@ class CheckpointConfig:
     """A checkpoint whose model weights replace the initialization (optimizer and loop state start fresh)."""
     auto_resume: bool = knob("auto_resume", False)
     """``fit`` without a ``ckpt_path`` resumes from the newest complete checkpoint a ``ModelCheckpoint`` wrote."""
+    distributed: bool = knob("save_distributed_checkpoint", True)
+    """Each save a sharded DCP folder, written by every rank in parallel; False: one whole ``.ckpt`` file that
+    rank 0 writes and any Lightning Trainer (DDP, one device) loads, as ``ModelParallelStrategy`` offers."""
     save_on_sigterm: bool = knob("save_on_sigterm", True)
     """On SIGTERM (preemption), save the current step into the ``ModelCheckpoint`` folder, wait until it is
     published and exit with 143 (``titan_strategy.preemption``)."""

@@ -30,8 +30,9 @@ from torch.optim import Optimizer
 
 from titan_strategy.checkpoint.manifest import MANIFEST_FILE, is_complete, verify_files
 
-__all__ = ["ELASTIC_POSITION_KEY", "LIGHTNING_STATE_FILE", "LoadedCheckpoint", "RankPlace", "is_titan_checkpoint",
-           "load_checkpoint", "newest_complete_checkpoint", "optimizer_state_dict", "split_checkpoint", "to_bytes"]
+__all__ = ["ELASTIC_POSITION_KEY", "LAYOUT_KEY", "LIGHTNING_STATE_FILE", "LoadedCheckpoint", "RankPlace",
+           "is_titan_checkpoint", "load_checkpoint", "newest_complete_checkpoint", "optimizer_state_dict",
+           "split_checkpoint", "to_bytes"]
 
 LIGHTNING_STATE_FILE = "lightning_state.pt"
 # A training loader whose state_dict() holds this key set to True keeps a global position (llama_module's
@@ -39,7 +40,7 @@ LIGHTNING_STATE_FILE = "lightning_state.pt"
 # rank's state, load_state_dict({ELASTIC_POSITION_KEY: True, "saved_ranks": [batch rank 0's, 1's, ...]}),
 # and derives its own share. Any other stateful loader gets its own rank's state, on the same degree only.
 ELASTIC_POSITION_KEY = "titan_elastic_position"
-_LAYOUT_KEY = "titan_layout"
+LAYOUT_KEY = "titan_layout"
 _DATALOADER_PREFIX = "dataloader.batch_rank_"
 _RNG_PREFIX = "rng.rank_"
 # One entry per parameter name, hyper-parameters included: pipeline ranks hold different parameters,
@@ -118,7 +119,7 @@ def split_checkpoint(checkpoint: dict[str, Any], place: RankPlace, rng_states: d
     loop_state = fit_loop.get("state_dict", {})
     if "combined_loader" in loop_state:
         state[_dataloader_key(place.batch_rank)] = to_bytes(loop_state.pop("combined_loader"))
-    checkpoint[_LAYOUT_KEY] = {
+    checkpoint[LAYOUT_KEY] = {
         "world_size": place.world_size, "batch_world_size": place.batch_world_size,
         "saved_at_last_batch": bool(fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch", True)),
     }
@@ -136,15 +137,18 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: list[Optimizer], 
             data-parallel degree.
     """
     if not is_titan_checkpoint(path):
+        found = "does not exist" if not path.exists() else (
+            f"is a folder of {sorted(p.name for p in path.iterdir())[:6]} with no {MANIFEST_FILE}")
         raise FileNotFoundError(
-            f"{path} is not a complete TitanStrategy checkpoint (no {MANIFEST_FILE}: the save never finished, or "
+            f"{path} is not a complete TitanStrategy checkpoint (it {found}: the save never finished, or "
             "this is not such a directory); pass a checkpoint that Trainer.save_checkpoint or ModelCheckpoint wrote "
-            "under TitanStrategy, or ckpt_path='last' to take the newest complete one."
+            "under TitanStrategy, a single-file .ckpt of any strategy, or ckpt_path='last' to take the newest "
+            "complete one."
         )
     verify_files(path, group)
     checkpoint = torch.load(path / LIGHTNING_STATE_FILE, map_location="cpu",
                             weights_only=True if weights_only is None else weights_only)
-    layout = checkpoint.pop(_LAYOUT_KEY)
+    layout = checkpoint.pop(LAYOUT_KEY)
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     for index, optimizer in enumerate(optimizers):
         state[f"optimizer_{index}"] = optimizer_state_dict(module, optimizer)
