@@ -46,6 +46,7 @@ def _assert_same_run(records: list[dict[str, Any]], reference: dict[str, Any], r
     ("boring", "init", 2, {}),
     ("llama", "init", 4, {}),
     ("qwen2", "configure_model", 2, {}),
+    ("qwen2_tied", "configure_model", 2, {}),  # its output projection stays its embedding after to_empty
     # HSDP over 2 x 2, and the decoder layers (found from _no_split_modules) checkpointed
     ("llama", "configure_model", 4, {"data_parallel_replicate_size": 2, "activation_checkpointing": "full"}),
 ])
@@ -54,6 +55,8 @@ def test_a_plain_module_trains_as_one_process(kind: str, build: str, nproc: int,
     one = _run(tmp_path, test_env, 1, "one", kind=kind, build=build)[0]
     many = _run(tmp_path, test_env, nproc, "many", replace(RUN, strategy=strategy), kind=kind, build=build)
     _assert_same_run(many, one)
+    if kind == "qwen2_tied":
+        assert "model.lm_head.weight" not in one["weights"] and "model.lm_head.weight" not in many[0]["weights"]
 
 
 def test_a_transformers_model_trains_under_titan_as_under_ddp(tmp_path: Path, test_env: dict[str, str]) -> None:
@@ -165,6 +168,11 @@ def test_checkpoints_travel_between_ddp_and_titan(tmp_path: Path, test_env: dict
     assert second.is_file()
     last = _run(tmp_path, test_env, 2, "ddp_last", replace(run, resume_from=str(second)), **ddp)
     torch.testing.assert_close(middle[0]["losses"] + last[0]["losses"], straight[2:], rtol=1e-5, atol=0)
+    # validate(ckpt_path=) of a DDP file under dp2 x tp2 gives DDP's own validation loss
+    by_ddp = _run(tmp_path, test_env, 2, "ddp_validate", run, validate_from=str(first), **ddp)
+    by_titan = _run(tmp_path, test_env, 4, "titan_validate", replace(run, strategy={"tensor_parallel_size": 2}),
+                    validate_from=str(first), **titan)
+    assert by_titan[0]["validated"]["val_loss"] == pytest.approx(by_ddp[0]["validated"]["val_loss"], rel=1e-5)
 
 
 def test_titan_convert_gives_a_file_a_plain_trainer_resumes(tmp_path: Path, test_env: dict[str, str]) -> None:

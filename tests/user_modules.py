@@ -3,7 +3,8 @@ tiny transformers causal LMs), under TitanStrategy or Lightning's DDP: ``RunSpec
 tests/train_worker.py hands such a spec to ``main`` here.
 
 ``user_module`` keys (all but ``kind`` optional):
-    kind: "mlp" (an ``nn.Module`` stack in a ModuleList), "boring" (Lightning's BoringModel), "llama" or "qwen2";
+    kind: "mlp" (an ``nn.Module`` stack in a ModuleList), "boring" (Lightning's BoringModel), "llama", "qwen2" or
+        "qwen2_tied" (``hf_model``);
         "tiny_llama" is this project's LlamaModule (it declares a plan), for checkpoints exchanged with DDP.
     build: "init" (in ``__init__``), "configure_model", or "init_module" (``__init__`` under
         ``trainer.init_module(empty_init=False)``, every weight then filled with 0.5); for "mlp", "shard_one_block"
@@ -12,6 +13,8 @@ tests/train_worker.py hands such a spec to ``main`` here.
     strategy: "titan" (``RunSpec.strategy`` its arguments) or "ddp".
     swa: add ``StochasticWeightAveraging``; barebones: ``Trainer(barebones=True)``; log_every_n_steps: the Trainer's.
     save_distributed_checkpoint: TitanStrategy's.
+    validate_from: ``trainer.validate`` from this checkpoint instead of fit; the record's ``validated`` holds its
+        metrics.
 ``RunSpec.save_at``/``save_path``: ``trainer.save_checkpoint`` after that step.
 
 Each rank's record: ``losses`` (each step's loss, averaged over the data-parallel ranks), ``weights_at_start`` and
@@ -45,12 +48,14 @@ HF_SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "nu
 
 
 def hf_model(kind: str) -> nn.Module:
-    """A random tiny transformers causal LM of ``kind`` ("llama" or "qwen2"), on the current default device."""
+    """A random tiny transformers causal LM of ``kind`` ("llama", "qwen2", or "qwen2_tied": its output projection
+    is its token embedding, as in the small Qwen2 models), on the current default device."""
     import transformers
 
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_SHAPE))
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**HF_SHAPE))
+    config = transformers.Qwen2Config(**HF_SHAPE, tie_word_embeddings=kind == "qwen2_tied")
+    return transformers.Qwen2ForCausalLM(config)
 
 
 class CausalLM(L.LightningModule):
@@ -197,11 +202,16 @@ def main(spec: RunSpec, out_dir: Path) -> None:
                         log_every_n_steps=options.get("log_every_n_steps"),
                         **({} if barebones else {"logger": False, "enable_checkpointing": False,
                                                  "enable_progress_bar": False, "enable_model_summary": False}),
-                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(out_dir))
+                        num_sanity_val_steps=0, limit_val_batches=2 if options.get("validate_from") else 0,
+                        default_root_dir=str(out_dir))
     module = _module(options, trainer)
     from tests.train_worker import AffineSequences
 
     loader = DataLoader(AffineSequences(spec.samples, spec.seq_len, VOCAB), batch_size=spec.batch_size)
+    if options.get("validate_from"):
+        [validated] = trainer.validate(module, loader, ckpt_path=options["validate_from"], verbose=False)
+        (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps({"validated": validated}))
+        return
     trainer.fit(module, loader, ckpt_path=spec.resume_from)
     record = {"losses": recorder.losses, "weights_at_start": recorder.weights_at_start,
               "weights": weight_sums(module), "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),

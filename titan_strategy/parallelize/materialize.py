@@ -69,13 +69,29 @@ def materialize(model: nn.Module, device: torch.device, init_weights: Callable[[
     if not any(_local(t).is_meta for _, t in _tensors(model)):
         return
     given = {name: _local(t).detach().clone() for name, t in _tensors(model) if not _local(t).is_meta}
+    shared = _shared_parameters(model)
     model.to_empty(device=device)
+    for owners in shared:  # to_empty gives each owner a parameter of its own
+        first_module, first_name = owners[0]
+        for module, name in owners[1:]:
+            module._parameters[name] = first_module._parameters[first_name]
     init_weights(shared_seed(device), fill_sharded)
     if given:
         kept = dict(_tensors(model))
         with torch.no_grad():
             for name, values in given.items():
                 _local(kept[name]).copy_(values)
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, name) places of each parameter held in more than one (tied weights: a transformers model's
+    output projection that is its token embedding)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, name))
+    return [owners for owners in places.values() if len(owners) > 1]
 
 
 def broadcast_real_tensors(model: nn.Module, host_group: dist.ProcessGroup | None) -> None:
