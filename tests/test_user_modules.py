@@ -126,12 +126,16 @@ def test_lightnings_contracts_hold(tmp_path: Path, test_env: dict[str, str]) -> 
     assert mesh["deep_copied"] == mesh["unpickled"] == 2
 
 
-def test_bf16_true_trains_with_bf16_parameters(tmp_path: Path, test_env: dict[str, str]) -> None:
-    spec = replace(RUN, precision="bf16-true")
+@pytest.mark.parametrize(("precision", "param_dtype"), [("bf16-true", "torch.bfloat16"),
+                                                      ("bf16-mixed", "torch.float32")])
+def test_a_plain_module_trains_in_bf16(precision: str, param_dtype: str, tmp_path: Path,
+                                       test_env: dict[str, str]) -> None:
+    # bf16-true: the parameters are bf16, FSDP reduces gradients in fp32. bf16-mixed: fp32 parameters, FSDP2's
+    # bf16 policy on 2 processes, autocast on one. bf16 rounding apart, each is the one-process run.
+    spec = replace(RUN, precision=precision)
     one = _run(tmp_path, test_env, 1, "one", spec, kind="llama")[0]
     two = _run(tmp_path, test_env, 2, "two", spec, kind="llama")
-    assert one["param_dtypes"] == two[0]["param_dtypes"] == ["torch.bfloat16"]
-    # FSDP reduces the gradients in fp32 where one process has none to reduce: bf16 rounding apart, the same run.
+    assert one["param_dtypes"] == two[0]["param_dtypes"] == [param_dtype]
     torch.testing.assert_close(two[0]["losses"], one["losses"], rtol=2e-2, atol=0)
     assert two[0]["losses"][-1] < two[0]["losses"][0]
 
