@@ -185,3 +185,50 @@ def test_a_checkpoint_path_of_neither_form_is_refused_saying_what_it_is(tmp_path
     place = RankPlace(rank=0, world_size=1, batch_rank=0, batch_world_size=1)
     with pytest.raises(FileNotFoundError, match=r"it is a folder of \['notes.txt'\] with no titan_checkpoint.json"):
         load_checkpoint(tmp_path / "folder", model, [], place, strict=True, weights_only=None, group=None)
+
+
+def test_a_plain_modules_blocks_are_found_without_the_user() -> None:
+    import torch
+    from torch import nn
+
+    from titan_strategy.parallelize.plain import repeated_blocks
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))  # inside a block: not blocks of their own
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(2, 2)
+            self.layers = nn.ModuleList(Block() for _ in range(3))
+            self.mixed = nn.Sequential(nn.Linear(2, 2), nn.ReLU())  # two classes: not repeated blocks
+            self.acts = nn.ModuleList(nn.ReLU() for _ in range(2))  # no parameters
+            self.heads = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)})
+
+    assert repeated_blocks(Net()) == ("layers.0", "layers.1", "layers.2", "heads.a", "heads.b")
+    transformers = pytest.importorskip("transformers")
+    from tests.user_modules import HF_SHAPE
+
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_SHAPE))
+    assert repeated_blocks(llama) == ("model.layers.0", "model.layers.1")  # _no_split_modules: LlamaDecoderLayer
+
+
+def test_a_meta_built_module_without_an_initializer_is_named_before_any_allocation() -> None:
+    import torch
+    from torch import nn
+
+    from titan_strategy.parallelize.materialize import own_initializers
+
+    class Scale(nn.Module):  # a parameter, and neither reset_parameters() nor a transformers model around it
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(2))
+
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(2, 2), Scale())
+    with pytest.raises(TypeError, match=r"Modules \['1 \(Scale\)'\] were built on the meta device .* define no "
+                                        r"reset_parameters\(\) and are not part of a transformers PreTrainedModel"):
+        own_initializers(net)
