@@ -43,6 +43,7 @@ def _assert_same_run(records: list[dict[str, Any]], reference: dict[str, Any], r
 
 @pytest.mark.parametrize(("kind", "build", "nproc", "strategy"), [
     ("mlp", "init", 2, {}),
+    ("mlp", "manual", 2, {}),  # manual optimization: backward inside the step that FSDP's root runs as its forward
     ("boring", "init", 2, {}),
     ("llama", "init", 4, {}),
     ("qwen2", "configure_model", 2, {}),

@@ -8,7 +8,8 @@ tests/train_worker.py hands such a spec to ``main`` here.
         "tiny_llama" is this project's LlamaModule (it declares a plan), for checkpoints exchanged with DDP.
     build: "init" (in ``__init__``), "configure_model", or "init_module" (``__init__`` under
         ``trainer.init_module(empty_init=False)``, every weight then filled with 0.5); for "mlp", "shard_one_block"
-        (``configure_model`` shards its first block over ``device_mesh["data_parallel"]`` and nothing else).
+        (``configure_model`` shards its first block over ``device_mesh["data_parallel"]`` and nothing else) or
+        "manual" (manual optimization: backward and step inside ``training_step``).
     pretrained: a transformers model folder that ``__init__`` loads with ``from_pretrained``.
     strategy: "titan" (``RunSpec.strategy`` its arguments) or "ddp".
     swa: add ``StochasticWeightAveraging``; barebones: ``Trainer(barebones=True)``; log_every_n_steps: the Trainer's.
@@ -91,9 +92,10 @@ class MLP(L.LightningModule):
     """A DDP-style module: an embedding, a ModuleList of identical blocks and a head, all built in ``__init__``;
     regression on AffineSequences' tokens as floats."""
 
-    def __init__(self, shard_one_block: bool = False) -> None:
+    def __init__(self, shard_one_block: bool = False, manual: bool = False) -> None:
         super().__init__()
         self.shard_one_block = shard_one_block
+        self.automatic_optimization = not manual
         self.embed = nn.Linear(8, 32)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
         self.head = nn.Linear(32, 1)
@@ -112,7 +114,13 @@ class MLP(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         features = batch["input_ids"][:, :8].float() / VOCAB
-        return nn.functional.mse_loss(self(features), batch["labels"][:, 8].float() / VOCAB)
+        loss = nn.functional.mse_loss(self(features), batch["labels"][:, 8].float() / VOCAB)
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -165,7 +173,7 @@ class Recorder(Callback):
 def _module(options: dict[str, Any], trainer: L.Trainer) -> L.LightningModule:
     kind, build = options["kind"], options.get("build", "init")
     if kind == "mlp":
-        return MLP(shard_one_block=build == "shard_one_block")
+        return MLP(shard_one_block=build == "shard_one_block", manual=build == "manual")
     if kind == "boring":
         return Boring()
     if kind == "tiny_llama":
