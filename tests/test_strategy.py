@@ -232,3 +232,13 @@ def test_a_meta_built_module_without_an_initializer_is_named_before_any_allocati
     with pytest.raises(TypeError, match=r"Modules \['1 \(Scale\)'\] were built on the meta device .* define no "
                                         r"reset_parameters\(\) and are not part of a transformers PreTrainedModel"):
         own_initializers(net)
+    # Inside a transformers model, whose _init_weights does not know it: nothing writes it, and that is refused.
+    transformers = pytest.importorskip("transformers")
+    from tests.user_modules import HF_SHAPE
+    from titan_strategy.parallelize.materialize import materialize_with_own_initializers
+
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_SHAPE))
+        llama.model.scale = Scale()
+    with pytest.raises(TypeError, match=r"\['Scale.weight'\] were built on the meta device and no initializer wrote"):
+        materialize_with_own_initializers(llama, torch.device("cpu"))

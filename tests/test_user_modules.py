@@ -68,15 +68,18 @@ def test_a_transformers_model_trains_under_titan_as_under_ddp(tmp_path: Path, te
 
 def test_a_meta_built_transformers_model_is_initialized_as_transformers_does(tmp_path: Path,
                                                                              test_env: dict[str, str]) -> None:
-    # configure_model builds on the meta device; the strategy initializes with transformers' own _init_weights,
-    # the same weights on 1 and 2 processes. Eagerly built (torch's defaults, then _init_weights) gives other
-    # numbers of the same distribution: the first loss agrees to 0.2%, where torch's defaults alone are 2.8% off.
+    # configure_model builds on the meta device; the strategy initializes each module as an eager build does
+    # (reset_parameters, then transformers' _init_weights), the same weights on 1 and 2 processes. An eager build
+    # draws other numbers of the same distribution: every weight's sum of squares within 20% (torch's defaults alone
+    # are about 25 times HF's 0.02 std squared), the first loss within 1% (torch's defaults alone: 2.8% off).
     one = _run(tmp_path, test_env, 1, "one", replace(RUN, steps=1), kind="llama", build="configure_model")[0]
     two = _run(tmp_path, test_env, 2, "two", replace(RUN, steps=1), kind="llama", build="configure_model")
     assert two[0]["weights_at_start"] == one["weights_at_start"]
     torch.testing.assert_close(two[0]["losses"], one["losses"], rtol=1e-6, atol=0)
     eager = _run(tmp_path, test_env, 1, "eager", replace(RUN, steps=1), kind="llama", build="init")[0]
-    assert one["losses"][0] == pytest.approx(eager["losses"][0], rel=2e-3)
+    assert one["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-2)
+    for name, (_, squares) in eager["weights_at_start"].items():
+        assert 0.8 < one["weights_at_start"][name][1] / squares < 1.25, name
     norms = [sums for name, sums in one["weights_at_start"].items() if "norm" in name]
     assert norms and all(total == pytest.approx(HF_SHAPE["hidden_size"]) for total, _ in norms)  # ones, as HF's
 

@@ -143,12 +143,8 @@ class TitanMesh(DeviceMesh):
             warnings.filterwarnings("ignore", message="Slicing a flattened dim")
             return super().__getitem__(names)
 
-    @property
-    def view_names(self) -> list[str]:
-        return sorted(self._views)
-
     def __repr__(self) -> str:
-        return f"TitanMesh({super().__repr__()}, views={self.view_names})"
+        return f"TitanMesh({super().__repr__()}, views={sorted(self._views)})"
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> TitanMesh:

@@ -8,6 +8,7 @@ import itertools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,11 +18,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from titan_strategy.distributed import is_rehearsal, outside_simulated_ranks, simulating_ranks
 from titan_strategy.plan import ParamFiller
 
-__all__ = ["broadcast_real_tensors", "fill_sharded", "materialize", "materialize_with_own_initializers",
-           "own_initializers"]
-
-Initializer = Callable[[], None]
-"""Initializes one module's own parameters and buffers in place."""
+__all__ = ["OwnInitializer", "broadcast_real_tensors", "fill_sharded", "materialize",
+           "materialize_with_own_initializers", "own_initializers", "run_initializers"]
 
 
 def fill_sharded(param: nn.Parameter, initializer: Callable[[Tensor], None]) -> None:
@@ -128,9 +126,19 @@ def _pretrained_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
     return owners
 
 
-def own_initializers(model: nn.Module) -> list[tuple[nn.Module, Initializer]]:
-    """The initializer of every submodule that holds meta tensors of its own, in module order: a transformers
-    model's ``_init_weights`` (what ``from_config``/``post_init`` would run), else ``reset_parameters()``.
+@dataclass(frozen=True)
+class OwnInitializer:
+    """How one module initializes the tensors of its own that were built on the meta device (``names``): its
+    ``reset_parameters()``, then its transformers model's ``_init_weights``, where it has them; the order an eager
+    build runs them in (constructor, then ``post_init``)."""
+
+    module: nn.Module
+    names: tuple[str, ...]
+    steps: tuple[Callable[[], None], ...]
+
+
+def own_initializers(model: nn.Module) -> list[OwnInitializer]:
+    """The initializer of every submodule that holds meta tensors of its own, in module order.
 
     Raises:
         TypeError: a submodule holds meta tensors and has neither; names each one, before any tensor is allocated.
@@ -138,12 +146,14 @@ def own_initializers(model: nn.Module) -> list[tuple[nn.Module, Initializer]]:
     owners = _pretrained_owners(model)
     chosen, missing = [], []
     for name, module in model.named_modules():
-        if not any(_local(t).is_meta for _, t in _tensors(module, recurse=False)):
+        names = tuple(own for own, t in _tensors(module, recurse=False) if _local(t).is_meta)
+        if not names:
             continue
+        steps = [reset] if callable(reset := getattr(module, "reset_parameters", None)) else []
         if module in owners:
-            chosen.append((module, functools.partial(owners[module]._init_weights, module)))
-        elif callable(reset := getattr(module, "reset_parameters", None)):
-            chosen.append((module, reset))
+            steps.append(functools.partial(owners[module]._init_weights, module))
+        if steps:
+            chosen.append(OwnInitializer(module, names, tuple(steps)))
         else:
             missing.append(f"{name or '<root>'} ({type(module).__name__})")
     if missing:
@@ -155,17 +165,35 @@ def own_initializers(model: nn.Module) -> list[tuple[nn.Module, Initializer]]:
     return chosen
 
 
-def run_initializers(initializers: list[tuple[nn.Module, Initializer]], seed: int, fill: ParamFiller) -> None:
+def run_initializers(initializers: list[OwnInitializer], seed: int, fill: ParamFiller) -> None:
     """``init_weights`` of a model initialized by its own modules: each sees full-size parameters (``fill`` writes
     them into the shards), and the random numbers come from ``seed`` alone, so every layout gets the same weights
-    and the training's random state is left as it was."""
-    devices = sorted({p.device.index or 0 for module, _ in initializers for p in module.parameters()
+    and the training's random state is left as it was.
+
+    Raises:
+        TypeError: a floating-point tensor that no initializer wrote (a module of a transformers model whose
+            ``_init_weights`` does not know it): it would train from uninitialized memory. Every rank sees the same
+            full tensors, so every rank raises.
+    """
+    devices = sorted({p.device.index or 0 for init in initializers for p in init.module.parameters()
                       if p.device.type == "cuda"})
+    unwritten = []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        for module, initialize in initializers:
-            with _full_size_parameters(module, fill):
-                initialize()
+        for init in initializers:
+            with _full_size_parameters(init.module, fill):
+                own = {name: t for name, t in _tensors(init.module, recurse=False)
+                       if name in init.names and t.is_floating_point()}
+                with torch.no_grad():
+                    for tensor in own.values():
+                        tensor.fill_(float("nan"))
+                for step in init.steps:
+                    step()
+                unwritten += [f"{type(init.module).__name__}.{name}" for name, t in own.items() if t.isnan().any()]
+    if unwritten:
+        raise TypeError(f"{sorted(set(unwritten))} were built on the meta device and no initializer wrote them "
+                        "(neither a reset_parameters() nor the transformers model's _init_weights); give the module a "
+                        "reset_parameters(), or build it in __init__ with its weights (which are kept).")
 
 
 def materialize_with_own_initializers(model: nn.Module, device: torch.device) -> None:
