@@ -35,8 +35,9 @@ class RunSpec:
     n_layers: int | None = None  # None: the worker's TINY (2)
     model: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields over TINY's
     self_sharded: bool = False  # a module that applies FSDP2 itself (SelfShardedLlama)
-    # A module nobody here wrote, in place of the Llama (tests/user_modules.py says which and its keys); it uses
-    # steps, batch_size, seed, precision, strategy, samples, seq_len and resume_from of these fields.
+    # A module nobody here wrote, in place of the Llama (tests/user_modules.py says which and its keys); of these
+    # fields it reads steps, batch_size, seed, accelerator, precision, strategy, timeout_seconds, samples, seq_len,
+    # save_at, save_path and resume_from.
     user_module: dict[str, Any] | None = None
     default_pipeline_loss: bool = False  # leave the pipeline loss to the strategy's default
     lr: float = 3e-3

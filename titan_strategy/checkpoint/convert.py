@@ -69,13 +69,17 @@ def consolidate(path: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="titan convert", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="titan convert", description="Write a TitanStrategy checkpoint folder as "
+                                     "one Lightning .ckpt file that any Trainer resumes from.")
     parser.add_argument("checkpoint", type=Path, help="a TitanStrategy checkpoint folder")
     parser.add_argument("output", type=Path, help="the .ckpt file to write")
     args = parser.parse_args(argv)
     if args.output.exists():
         parser.error(f"{args.output} exists; choose a new file name.")
-    checkpoint = consolidate(args.checkpoint)
+    try:
+        checkpoint = consolidate(args.checkpoint)
+    except FileNotFoundError as error:
+        parser.error(str(error))
     partial = partial_path(args.output)  # nothing half-written under the final name
     torch.save(checkpoint, partial)
     partial.rename(args.output)

@@ -61,8 +61,9 @@ def _refuse_unplanned_degrees(module: nn.Module, dims: ParallelDims) -> None:
     if asked:
         degrees = ", ".join(f"{knob}={size}" for knob, size in asked.items())
         raise ValueError(
-            f"{degrees} was asked for, but {type(module).__name__} declares no parallel_plan() and parallelized "
-            "nothing itself in configure_model(): the strategy can only shard it with FSDP over the data-parallel "
+            f"TitanStrategy({degrees}) cannot split {type(module).__name__}: it declares no parallel_plan() and "
+            "parallelized nothing itself in configure_model(), so the strategy can only shard it with FSDP over the "
+            "data-parallel "
             f"ranks. Set {' and '.join(f'{knob}=1' for knob in asked)}, or give the module a parallel_plan() (see "
             "llama_module/plan.py), or parallelize it in configure_model() with self.device_mesh."
         )
