@@ -26,9 +26,10 @@ from typing_extensions import override
 
 from titan_strategy.callbacks.flight_recorder import attach_flight_recorder
 from titan_strategy.callbacks.model_summary import with_training_flops
-from titan_strategy.callbacks.weight_averaging import check_weight_averaging
+from titan_strategy.callbacks.weight_averaging import shard_weight_averages
 from titan_strategy.checkpoint import DistributedCheckpointIO, RankPlace, load_model_weights, optimizer_state_dict
 from titan_strategy.checkpoint import load_checkpoint as load_dcp_checkpoint
+from titan_strategy.checkpoint.callback_tensors import shard_callback_tensors, whole_callback_tensors
 from titan_strategy.checkpoint.io import CheckpointMode, checked_checkpoint_io, checkpoint_io_for
 from titan_strategy.checkpoint.resume import resume_from_newest
 from titan_strategy.checkpoint.rng import ResumedRngStates
@@ -50,7 +51,8 @@ from titan_strategy.parallelize.fsdp import ReshardPolicy, no_gradient_sync
 from titan_strategy.parallelize.materialize import materialize_with_own_initializers
 from titan_strategy.parallelize.plain import check_gradients_are_synchronized, is_self_parallelized, plain_plan
 from titan_strategy.pipeline.layout import PipelineConfig, ScheduleName
-from titan_strategy.plan import PlannedModule
+from titan_strategy.pipeline.runner import LossFn
+from titan_strategy.plan import ParallelPlan, PlannedModule
 from titan_strategy.precision import TitanPrecision, configure_precision, drop_lightnings_amp_line, to_titan_precision
 from titan_strategy.preemption import watch_for_preemption
 from titan_strategy.runtime import ParallelRuntime, Stage
@@ -273,7 +275,8 @@ class TitanStrategy(ParallelStrategy):
         module, precision = self.lightning_module, self.precision_plugin
         assert isinstance(precision, TitanPrecision)
         self._parallelize_or_materialize(module, precision)
-        check_weight_averaging(trainer, module)
+        plain = self.runtime is not None and self.runtime.plan.model is module
+        shard_weight_averages(trainer, module, self._shard_like_a_plain_module if plain else None)
         if self.config.compile.loss:
             apply_compile_loss(module)
         precision.on_grad_norm = functools.partial(log_step_metric, module, "grad_norm", bar_name="gnorm")
@@ -317,12 +320,20 @@ class TitanStrategy(ParallelStrategy):
         else:
             plan = plain_plan(module, self.parallel_dims)
         if plan is not None:
-            self.runtime = parallelize(plan, self.device_mesh, self.parallel_dims, self.config, self.root_device,
-                                       param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-                                       pipeline_loss=getattr(module, "pipeline_loss", None),
-                                       host_group=self._groups.host_control)
+            self.runtime = self._parallelize(plan, pipeline_loss=getattr(module, "pipeline_loss", None))
         check_gradients_are_synchronized(module, self.device_mesh["batch"])
         self._set_up_module = module
+
+    def _parallelize(self, plan: ParallelPlan, pipeline_loss: LossFn | None = None) -> ParallelRuntime:
+        precision = self.precision_plugin
+        assert isinstance(precision, TitanPrecision)
+        return parallelize(plan, self.device_mesh, self.parallel_dims, self.config, self.root_device,
+                           param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
+                           pipeline_loss=pipeline_loss, host_group=self._groups.host_control)
+
+    def _shard_like_a_plain_module(self, copy: torch.nn.Module) -> None:
+        """Shard a copy of the plain module (StochasticWeightAveraging's) as the module was, on the same mesh."""
+        self._parallelize(plain_plan(copy, self.parallel_dims))
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -514,6 +525,7 @@ class TitanStrategy(ParallelStrategy):
         self._training_position.save(checkpoint)
         if self._replicas is not None:
             self._replicas.save(checkpoint)
+        whole_callback_tensors(checkpoint)
         if not self.config.checkpoint.distributed:  # rank 0 holds the whole state (full_model_state)
             if self.is_global_zero:
                 TorchCheckpointIO().save_checkpoint(checkpoint, filepath, storage_options)
@@ -527,13 +539,16 @@ class TitanStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         self.checkpoint_io.flush()
         path, module = Path(self.broadcast(str(checkpoint_path))), self.lightning_module
+        callback_states = {callback.state_key: callback.state_dict() for callback in module.trainer.callbacks}
         if path.is_file():  # a whole Lightning checkpoint, of this strategy's or another's
             checkpoint = load_single_file(path, module, self.optimizers, strict=module.strict_loading,
                                           weights_only=weights_only)
+            shard_callback_tensors(checkpoint, callback_states)
             self._training_position.load(checkpoint)
             return checkpoint
         loaded = load_dcp_checkpoint(path, module, self.optimizers, self._rank_place(), strict=module.strict_loading,
                                      weights_only=weights_only, group=self._groups.checkpoint)
+        shard_callback_tensors(loaded.lightning, callback_states)
         self._resumed_rng.loaded(loaded.rng_states, loaded.rng_before_next_epoch, self.root_device)
         self._training_position.load(loaded.lightning)
         if self._replicas is not None:

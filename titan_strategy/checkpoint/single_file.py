@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-__all__ = ["full_model_state", "full_optimizer_state", "load_single_file"]
+__all__ = ["full_model_state", "full_optimizer_state", "laid_out_like", "load_single_file"]
 
 _WHOLE_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -71,7 +71,7 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _laid_out_like(full: Tensor, like: Tensor) -> Tensor:
+def laid_out_like(full: Tensor, like: Tensor) -> Tensor:
     """``full`` on ``like``'s device and dtype, and sharded as it is where it is a DTensor.
 
     Every rank read the same file, so each slices its own shard (``src_data_rank=None``), as initialization does
@@ -91,7 +91,7 @@ def _load_weights(path: Path, module: nn.Module, saved: dict[str, Tensor], stric
     with torch.no_grad():
         for name, tensor in own.items():
             if name in saved:
-                _local(tensor).copy_(_local(_laid_out_like(saved[name], tensor)))
+                _local(tensor).copy_(_local(laid_out_like(saved[name], tensor)))
 
 
 def _sharded_optimizer_state(module: nn.Module, saved: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -100,7 +100,7 @@ def _sharded_optimizer_state(module: nn.Module, saved: dict[str, Any], names: li
     params = dict(module.named_parameters())
     by_name = _rekeyed(saved, dict(enumerate(names)))
     by_name["state"] = {
-        name: {key: _laid_out_like(value, params[name])
+        name: {key: laid_out_like(value, params[name])
                if isinstance(value, Tensor) and value.shape == params[name].shape else value
                for key, value in state.items()}
         for name, state in by_name["state"].items()}
