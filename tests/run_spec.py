@@ -37,7 +37,7 @@ class RunSpec:
     self_sharded: bool = False  # a module that applies FSDP2 itself (SelfShardedLlama)
     # A module nobody here wrote, in place of the Llama (tests/user_modules.py says which and its keys); of these
     # fields it reads steps, batch_size, seed, accelerator, precision, strategy, timeout_seconds, samples, seq_len,
-    # save_at, save_path and resume_from.
+    # padded_labels, save_at, save_path and resume_from.
     user_module: dict[str, Any] | None = None
     default_pipeline_loss: bool = False  # leave the pipeline loss to the strategy's default
     lr: float = 3e-3

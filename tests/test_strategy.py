@@ -51,6 +51,7 @@ def test_bad_layout_fails_in_trainer_init_without_launching_or_writing(strategy:
     ({"activation_checkpointing": "selective_layer", "activation_checkpointing_every": 0},
      r"activation_checkpointing_every=0 must be >= 1"),
     ({"float8": "blockwise"}, r"float8='blockwise' must be one of \['none', 'tensorwise', 'rowwise'\]"),
+    ({"save_distributed_checkpoint": "false"}, r"save_distributed_checkpoint='false' must be True \(sharded folders\)"),
 ])
 def test_bad_knobs_fail_at_construction(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

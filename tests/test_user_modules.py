@@ -84,6 +84,15 @@ def test_a_meta_built_transformers_model_is_initialized_as_transformers_does(tmp
     assert norms and all(total == pytest.approx(HF_SHAPE["hidden_size"]) for total, _ in norms)  # ones, as HF's
 
 
+def test_padded_labels_under_a_plain_mean_are_warned_about(tmp_path: Path, test_env: dict[str, str]) -> None:
+    # transformers' loss is a mean per batch; with -100 labels, 2 ranks' means averaged are not one process's token
+    # mean (as under DDP). The strategy says so, once; with every label present it says nothing.
+    padded = _run(tmp_path, test_env, 2, "padded", replace(RUN, padded_labels=True), kind="llama")
+    assert len(padded[0]["warnings"]) == 1 and "labels hold -100: averaged over 2 data-parallel ranks" in \
+        padded[0]["warnings"][0]
+    assert _run(tmp_path, test_env, 2, "full", kind="llama")[0]["warnings"] == []
+
+
 @pytest.fixture
 def pretrained(tmp_path: Path) -> Path:
     """A tiny LlamaForCausalLM saved with non-unit norms, so any re-initialization shows."""

@@ -19,7 +19,8 @@ tests/train_worker.py hands such a spec to ``main`` here.
 ``RunSpec.save_at``/``save_path``: ``trainer.save_checkpoint`` after that step.
 
 Each rank's record: ``losses`` (each step's loss, averaged over the data-parallel ranks), ``weights_at_start`` and
-``weights`` (each parameter's full sum and sum of squares at ``on_train_start`` and after fit), ``param_dtypes``.
+``weights`` (each parameter's full sum and sum of squares at ``on_train_start`` and after fit), ``param_dtypes``,
+``warnings`` (TitanStrategy's about plain means of padded labels). ``RunSpec.padded_labels`` pads the labels.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +81,10 @@ class CausalLM(L.LightningModule):
             self.model = hf_model(self.kind)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        # transformers shifts the labels itself: position t's label is the batch's label of position t - 1 (the
+        # input itself where nothing is padded), so -100 labels stay where the batch put them.
+        labels = torch.cat([batch["input_ids"][:, :1], batch["labels"][:, :-1]], dim=1)
+        loss = self.model(input_ids=batch["input_ids"], labels=labels).loss
         if self.logs:
             self.log("train_loss", loss)
         return loss
@@ -215,13 +220,17 @@ def main(spec: RunSpec, out_dir: Path) -> None:
     module = _module(options, trainer)
     from tests.train_worker import AffineSequences
 
-    loader = DataLoader(AffineSequences(spec.samples, spec.seq_len, VOCAB), batch_size=spec.batch_size)
+    samples = AffineSequences(spec.samples, spec.seq_len, VOCAB, padded=spec.padded_labels)
+    loader = DataLoader(samples, batch_size=spec.batch_size)
     if options.get("validate_from"):
         [validated] = trainer.validate(module, loader, ckpt_path=options["validate_from"], verbose=False)
         (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps({"validated": validated}))
         return
-    trainer.fit(module, loader, ckpt_path=spec.resume_from)
-    record = {"losses": recorder.losses, "weights_at_start": recorder.weights_at_start,
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, loader, ckpt_path=spec.resume_from)
+    record = {"warnings": [str(warning.message) for warning in caught if "plain mean" in str(warning.message)],
+              "losses": recorder.losses, "weights_at_start": recorder.weights_at_start,
               "weights": weight_sums(module), "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
               "global_step": trainer.global_step, "mesh": recorder.mesh}
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))

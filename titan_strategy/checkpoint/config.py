@@ -32,6 +32,9 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         check_choice("checkpoint_mode", self.mode, CheckpointMode)
+        if not isinstance(self.distributed, bool):  # the string "false" would be true, and save folders silently
+            raise ValueError(f"save_distributed_checkpoint={self.distributed!r} must be True (sharded folders) or "
+                             "False (one whole .ckpt file).")
         if self.initial_weights is not None:
             check_weights_source(Path(self.initial_weights))
 
