@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from titan_strategy.knobs import check_choice, check_positive, knob
+from titan_strategy.shards import local
 
 if TYPE_CHECKING:
     from titan_strategy.mesh import MeshConfig
@@ -298,8 +299,8 @@ class ReplicaGroups:
         # A group level with this one takes nothing (torchft heals only one that is behind).
         trainer = self._trainer
         assert trainer is not None and self._step_start is not None, "a group behind a fresh one cannot exist"
-        return {"model": {name: _local(value) for name, value in trainer.lightning_module.state_dict().items()},
-                "optimizers": [tree_map(_local, optimizer.state_dict()) for optimizer in trainer.strategy.optimizers],
+        return {"model": {name: local(value) for name, value in trainer.lightning_module.state_dict().items()},
+                "optimizers": [tree_map(local, optimizer.state_dict()) for optimizer in trainer.strategy.optimizers],
                 "lightning": self._step_start}
 
     def _receive(self, state: dict[str, Any]) -> None:
@@ -308,7 +309,7 @@ class ReplicaGroups:
         module = trainer.lightning_module
         with torch.no_grad():
             for name, value in module.state_dict().items():
-                _local(value).copy_(state["model"][name])
+                local(value).copy_(state["model"][name])
         for optimizer, optimizer_state in zip(trainer.strategy.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(_as_parameter_shards(optimizer, optimizer_state))
         self._received = state["lightning"]
@@ -339,10 +340,6 @@ class _StepBoundary(Callback):
             state[type(trainer.datamodule).__qualname__] = trainer.datamodule.state_dict()
         self._add_strategy_state(state)
         return state
-
-
-def _local(value: Any) -> Any:
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _as_parameter_shards(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:

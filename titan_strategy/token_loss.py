@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from titan_strategy.parallelize.tensor_parallel import as_local_loss
+from titan_strategy.shards import local
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -151,7 +152,7 @@ class TokenWeighting:
             return
         factor = (reference / window[1].clamp(min=1)).float()
         with torch.no_grad():
-            grads = [_local(p.grad) for p in parameters if p.grad is not None]
+            grads = [local(p.grad) for p in parameters if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, factor)
 
@@ -170,10 +171,6 @@ class TokenWeighting:
 
 def _mean(totals: Tensor) -> Tensor:
     return totals[0] / totals[1].clamp(min=1)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class _ValueWithScaledGradient(torch.autograd.Function):

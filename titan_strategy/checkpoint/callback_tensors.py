@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from titan_strategy.checkpoint.single_file import laid_out_like
+from titan_strategy.shards import laid_out_like
 
 __all__ = ["shard_callback_tensors", "whole_callback_tensors"]
 

@@ -17,10 +17,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-__all__ = ["full_model_state", "full_optimizer_state", "laid_out_like", "load_single_file"]
+from titan_strategy.shards import laid_out_like, local
+
+__all__ = ["full_model_state", "full_optimizer_state", "load_single_file"]
 
 _WHOLE_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -67,21 +68,6 @@ def _read(path: Path, weights_only: bool | None) -> dict[str, Any]:
     return checkpoint
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def laid_out_like(full: Tensor, like: Tensor) -> Tensor:
-    """``full`` on ``like``'s device and dtype, and sharded as it is where it is a DTensor.
-
-    Every rank read the same file, so each slices its own shard (``src_data_rank=None``), as initialization does
-    (``parallelize.materialize.fill_sharded``): no collective, and FSDP-over-TP's strided shards come out right."""
-    full = full.to(device=_local(like).device, dtype=like.dtype)
-    if isinstance(like, DTensor):
-        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-    return full
-
-
 def _load_weights(path: Path, module: nn.Module, saved: dict[str, Tensor], strict: bool) -> None:
     own = module.state_dict()
     missing, unexpected = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
@@ -91,7 +77,7 @@ def _load_weights(path: Path, module: nn.Module, saved: dict[str, Tensor], stric
     with torch.no_grad():
         for name, tensor in own.items():
             if name in saved:
-                _local(tensor).copy_(_local(laid_out_like(saved[name], tensor)))
+                local(tensor).copy_(local(laid_out_like(saved[name], tensor)))
 
 
 def _sharded_optimizer_state(module: nn.Module, saved: dict[str, Any], names: list[str]) -> dict[str, Any]:

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from titan_strategy.distributed import is_rehearsal, outside_simulated_ranks, simulating_ranks
 from titan_strategy.plan import ParamFiller
+from titan_strategy.shards import laid_out_like, local
 
 __all__ = ["OwnInitializer", "broadcast_real_tensors", "fill_sharded", "materialize",
            "materialize_with_own_initializers", "own_initializers", "run_initializers"]
@@ -36,9 +37,7 @@ def fill_sharded(param: nn.Parameter, initializer: Callable[[Tensor], None]) -> 
     with outside_simulated_ranks():  # one tensor for every simulated rank to slice its shard from
         full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
         initializer(full)
-    # src_data_rank=None: every rank built the same full tensor, so each slices its own shard locally.
-    local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-    param.to_local().copy_(local)
+    param.to_local().copy_(laid_out_like(full, param).to_local())  # every rank built the same full tensor
 
 
 def shared_seed(device: torch.device) -> int:
@@ -53,10 +52,6 @@ def _tensors(module: nn.Module, recurse: bool = True) -> Iterator[tuple[str, Ten
     return itertools.chain(module.named_parameters(recurse=recurse), module.named_buffers(recurse=recurse))
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def materialize(model: nn.Module, device: torch.device, init_weights: Callable[[int, ParamFiller], None]) -> None:
     """``to_empty`` on ``device`` (only each rank's shards are allocated), then ``init_weights``.
 
@@ -64,9 +59,9 @@ def materialize(model: nn.Module, device: torch.device, init_weights: Callable[[
     ``__init__`` or under ``init_module(empty_init=False)``): it keeps them, whatever ``init_weights`` writes. A
     model with no meta tensor is left as it is.
     """
-    if not any(_local(t).is_meta for _, t in _tensors(model)):
+    if not any(local(t).is_meta for _, t in _tensors(model)):
         return
-    given = {name: _local(t).detach().clone() for name, t in _tensors(model) if not _local(t).is_meta}
+    given = {name: local(t).detach().clone() for name, t in _tensors(model) if not local(t).is_meta}
     shared = _shared_parameters(model)
     model.to_empty(device=device)
     for owners in shared:  # to_empty gives each owner a parameter of its own
@@ -78,7 +73,7 @@ def materialize(model: nn.Module, device: torch.device, init_weights: Callable[[
         kept = dict(_tensors(model))
         with torch.no_grad():
             for name, values in given.items():
-                _local(kept[name]).copy_(values)
+                local(kept[name]).copy_(values)
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -103,9 +98,9 @@ def broadcast_real_tensors(model: nn.Module, host_group: dist.ProcessGroup | Non
         return
     with torch.no_grad():
         for _, tensor in _tensors(model):
-            local = _local(tensor)
-            if not local.is_meta:
-                dist.broadcast(local, src=0, group=host_group if local.device.type == "cpu" else None)
+            part = local(tensor)
+            if not part.is_meta:
+                dist.broadcast(part, src=0, group=host_group if part.device.type == "cpu" else None)
 
 
 def _pretrained_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
@@ -146,7 +141,7 @@ def own_initializers(model: nn.Module) -> list[OwnInitializer]:
     owners = _pretrained_owners(model)
     chosen, missing = [], []
     for name, module in model.named_modules():
-        names = tuple(own for own, t in _tensors(module, recurse=False) if _local(t).is_meta)
+        names = tuple(own for own, t in _tensors(module, recurse=False) if local(t).is_meta)
         if not names:
             continue
         steps = [reset] if callable(reset := getattr(module, "reset_parameters", None)) else []
