@@ -31,8 +31,8 @@ for part in "$@"; do
       common=(--flavor 1B --compile --compile-loss --steps 20 --warmup 8)
       throughput 110 "${common[@]}" --reference
       throughput 100 "${common[@]}" --cuda-graphs ;;
-    fa4)  # the same with FlashAttention-4, then with float8 tensorwise linears too (the best kernels; and the plain
-      # loop: 63,749 tokens/s, 1.018x it, on an H100 in session 6)
+    fa4)  # the same with FlashAttention-4, then with float8 tensorwise linears too (the best kernels), and the plain
+      # loop for the Lightning / plain ratio (benchmarks/RESULTS.md: 'Best kernels')
       common=(--flavor 1B --compile --compile-loss --steps 20 --warmup 8 --attention-kernel fa4)
       throughput 100 "${common[@]}"
       throughput 110 "${common[@]}" --float8 tensorwise --reference ;;
@@ -75,7 +75,8 @@ raise SystemExit(not installed())" 2>/dev/null; then
       common=(--flavor 1B --batch-size 4 --compile --compile-loss --steps 14 --warmup 6)
       throughput 120 "${common[@]}" --cross-entropy logits
       throughput 120 "${common[@]}" ;;
-    32k)  # 8B width x 16 layers at 32k with full AC: bf16, then float8 tensorwise (73.5 GiB peak on an H100)
+    32k)  # 8B width x 16 layers at 32k with full AC: bf16, then float8 tensorwise (it fits an 80 GB card;
+      # benchmarks/RESULTS.md: '32k context')
       common=(--flavor 8B --n-layers 16 --batch-size 1 --compile --compile-loss --seq-len 32768
               --activation-checkpointing full --steps 12 --warmup 4)
       throughput 150 "${common[@]}"

@@ -55,7 +55,7 @@ from titan_strategy.kernels.adamw import ADAMW_KERNELS
 from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
 from titan_strategy.master_weights import hold_master_weights
 from titan_strategy.mesh import build_mesh
-from titan_strategy.parallelize import parallelize
+from titan_strategy.parallelize.apply import parallelize
 from titan_strategy.parallelize.compile import apply_compile_loss
 
 THROUGHPUT_WINDOW = 10  # steps per Throughput callback window, its cross-check of the step timer

@@ -15,18 +15,19 @@ from llama_module.args import LlamaConfig, get_flavor
 from llama_module.documents import check_document_ids, check_masking
 from llama_module.model import Llama, check_attention_kernel
 from llama_module.plan import llama_plan
-from titan_strategy import ParallelPlan, log_step_metric
-from titan_strategy.distributed import simulating_ranks
-from titan_strategy.kernels import ADAMW_KERNELS, build_adamw, check_flash_attention4
-from titan_strategy.kernels.flash_attention4 import FA4_MIN_CAPABILITY, flash_attention4_installed
-from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
-from titan_strategy.token_loss import (
+from titan_strategy import (
+    ParallelPlan,
     TokenLoss,
     count_labelled,
     is_token_weighted,
+    log_step_metric,
+    simulating_ranks,
     token_cross_entropy,
     token_mean,
 )
+from titan_strategy.kernels import ADAMW_KERNELS, build_adamw, check_flash_attention4
+from titan_strategy.kernels.flash_attention4 import FA4_MIN_CAPABILITY, flash_attention4_installed
+from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
 
 __all__ = ["LlamaModule"]
 
@@ -49,15 +50,17 @@ class LlamaModule(L.LightningModule):
         decay_steps: cosine decay after warm-up; None decays over the rest of the run (``max_steps``).
         min_lr_ratio: the decay ends at ``min_lr_ratio * lr``.
         adamw: which AdamW kernel updates the parameters: ``triton`` (one Triton kernel per parameter,
-            ``titan_strategy.kernels.adamw``: 1.4x faster than torch's fused kernel on an H200), ``fused``
+            ``titan_strategy.kernels.adamw``: about 1.4x faster than torch's fused kernel; benchmarks/RESULTS.md:
+            'TritonAdamW'), ``fused``
             (torch's fused kernel), ``foreach`` (torch's multi-tensor ops), or ``auto``: triton on CUDA,
             foreach elsewhere. All run the same AdamW and checkpoint the same state.
         attention_kernel: ``auto`` (the fastest that runs here, printed once: ``fa4`` for the causal mask where
             FlashAttention-4 is installed and the GPU is a Hopper or Blackwell and there is no context parallelism,
             ``flex`` for the block-causal mask on CUDA, otherwise ``sdpa``),
             ``sdpa`` (torch's, any device, context parallel; under the block-causal mask it takes a
-            dense mask, meant for CPU and tests), ``fa4`` (FlashAttention-4 on Hopper/Blackwell, causal only, about
-            6% faster steps at the 1B shape on an H200; needs the ``flash-attn-4`` package, and no context
+            dense mask, meant for CPU and tests), ``fa4`` (FlashAttention-4 on Hopper/Blackwell, causal only, a few
+            percent faster steps at the 1B shape, benchmarks/RESULTS.md: 'FA4'; needs the ``flash-attn-4`` package,
+            and no context
             parallelism) or ``flex`` (FlexAttention with a block-sparse mask, block-causal only; CUDA, since
             torch has no FlexAttention backward on CPU).
         attention_mask: ``causal`` (every token attends to all earlier tokens of its window) or ``block_causal``

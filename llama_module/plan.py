@@ -16,14 +16,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llama_module.model import Llama
-from titan_strategy.parallelize.tensor_parallel import VocabularyParallelOutput
-from titan_strategy.plan import (
+from titan_strategy import (
+    IGNORE_INDEX,
     ContextParallelPlan,
     ParallelPlan,
     PipelinePlan,
     TensorParallelPlan,
+    VocabularyParallelOutput,
 )
-from titan_strategy.token_loss import IGNORE_INDEX
 
 __all__ = ["llama_plan", "llama_tp_styles"]
 

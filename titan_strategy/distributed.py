@@ -20,11 +20,12 @@ from lightning.fabric.utilities.distributed import (
 )
 
 from titan_strategy.callbacks.flight_recorder import UNSHORTENED_GROUP_DESC
-from titan_strategy.knobs import knob
-from titan_strategy.mesh import ParallelDims, TitanMesh, build_mesh
+from titan_strategy.config.distributed import DistributedConfig
+from titan_strategy.config.mesh import ParallelDims
+from titan_strategy.mesh import TitanMesh, build_mesh
 
-__all__ = ["DistributedConfig", "ProcessGroups", "build_process_groups", "init_default_group", "is_rehearsal",
-           "outside_simulated_ranks", "per_simulated_rank", "simulating_ranks"]
+__all__ = ["ProcessGroups", "build_process_groups", "init_default_group", "is_rehearsal", "outside_simulated_ranks",
+           "per_simulated_rank", "simulating_ranks"]
 
 Fn = TypeVar("Fn", bound=Callable)
 
@@ -32,26 +33,6 @@ try:  # torch's local tensors, which simulate every rank in one process; a torch
     from torch.distributed import _local_tensor
 except ImportError:
     _local_tensor = None
-
-
-@dataclass(frozen=True)
-class DistributedConfig:
-    """How the processes talk, and what records their collectives."""
-
-    backend: str | None = knob("process_group_backend", None)
-    """"gloo", "nccl", ...; None picks by device."""
-    timeout_seconds: float = knob("timeout_seconds", 1800.0)
-    """A collective that waits longer fails instead of hanging."""
-    flight_recorder: bool = knob("flight_recorder", False)
-    """Add a ``FlightRecorder`` callback with its defaults, unless the trainer has one."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.timeout_seconds, int | float) or self.timeout_seconds <= 0:
-            raise ValueError(f"timeout_seconds={self.timeout_seconds!r} must be > 0.")
-
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(seconds=self.timeout_seconds)
 
 
 @dataclass(frozen=True)

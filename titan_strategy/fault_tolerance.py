@@ -22,14 +22,12 @@ restores those as from a checkpoint, and the group trains the peer's current ste
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import lightning.pytorch as pl
@@ -38,105 +36,27 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
+from typing_extensions import override
 
-from titan_strategy.knobs import check_choice, check_positive, knob
+from titan_strategy.config.fault_tolerance import LIGHTHOUSE_ENV, FaultToleranceConfig
+from titan_strategy.run_state import RunState
 from titan_strategy.shards import local
 
 if TYPE_CHECKING:
-    from titan_strategy.mesh import MeshConfig
+    from titan_strategy.checkpoint.dcp import LoadedCheckpoint
     from titan_strategy.runtime import ParallelRuntime
 
-__all__ = ["FaultTolerance", "FaultToleranceConfig", "LIGHTHOUSE_ENV", "REPLICA_GROUP_ENV", "ReplicaGroups",
-           "check_lighthouse_answers"]
+__all__ = ["ReplicaGroups", "check_lighthouse_answers"]
 
-FaultTolerance = Literal["none", "torchft"]
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable
-REPLICA_GROUP_ENV = "TITAN_REPLICA_GROUP_ID"
 # Consecutive uncommitted attempts of one step before the run fails: one for the failure itself, one more for a
 # quorum that formed while a dead group's heartbeat had not yet timed out.
 MAX_UNCOMMITTED_ATTEMPTS = 3
 _LIGHTHOUSE_PROBE_S = 5.0
 _MANAGER_KEY = "titan_torchft_manager"
-
-
-@dataclass(frozen=True)
-class FaultToleranceConfig:
-    """Which fault-tolerance engine runs the replicate dimension, and where its lighthouse is."""
-
-    mode: FaultTolerance = knob("fault_tolerance", "none")
-    """"none"; "torchft": each HSDP replica is a torchft replica group that trains on when others die."""
-    lighthouse: str | None = knob("torchft_lighthouse", None)
-    """The lighthouse's address, e.g. "http://host:29510"; None reads ``TORCHFT_LIGHTHOUSE``."""
-    replica_group_id: int | None = knob("replica_group_id", None)
-    """This job's replica group, 0 .. data_parallel_replicate_size - 1; None reads ``TITAN_REPLICA_GROUP_ID``."""
-    min_replica_groups: int = knob("min_replica_groups", 1)
-    """Groups that must be alive for a step to commit."""
-
-    def __post_init__(self) -> None:
-        check_choice("fault_tolerance", self.mode, FaultTolerance)
-        check_positive("min_replica_groups", self.min_replica_groups)
-
-    @property
-    def enabled(self) -> bool:
-        return self.mode == "torchft"
-
-    def check_layout(self, mesh: MeshConfig, pipeline_parallel_size: int) -> None:
-        """Refuse what torchft replica groups cannot run, naming the fix (called with the other knobs' rules)."""
-        if not self.enabled:
-            return
-        if mesh.dp_replicate < 2:
-            raise ValueError(f"fault_tolerance='torchft' runs each of the data_parallel_replicate_size replicas as a "
-                             f"replica group, and data_parallel_replicate_size={mesh.dp_replicate} leaves no other "
-                             "group to train on when one dies. Set data_parallel_replicate_size to the number of "
-                             "replica groups (>= 2), or fault_tolerance='none'.")
-        if pipeline_parallel_size > 1:
-            raise ValueError(f"fault_tolerance='torchft' with pipeline_parallel_size={pipeline_parallel_size} is not "
-                             "built: the pipeline schedule runs forward and backward inside training_step, and a "
-                             "step that does not commit would have to run through the schedule again, which is not "
-                             "done here. Use pipeline_parallel_size=1, or fault_tolerance='none'.")
-        if self.min_replica_groups > mesh.dp_replicate:
-            raise ValueError(f"min_replica_groups={self.min_replica_groups} exceeds data_parallel_replicate_size="
-                             f"{mesh.dp_replicate}: no step could ever commit. Use at most {mesh.dp_replicate}.")
-
-    def check_job(self, replicas: int) -> None:
-        """Refuse a job that does not say where the lighthouse is or which group it is (TitanStrategy's
-        constructor: ``titan plan`` reads configs without them)."""
-        if not self.enabled:
-            return
-        if importlib.util.find_spec("torchft") is None:
-            raise ImportError("fault_tolerance='torchft' needs torchft: pip install torchft (or the project's "
-                              "'ft' extra: pip install -e '.[ft]').")
-        self.lighthouse_address()
-        self.group_id(replicas)
-
-    def process_mesh(self, mesh: MeshConfig) -> MeshConfig:
-        """The degrees of this job's processes: under torchft the replicas are other jobs."""
-        return replace(mesh, dp_replicate=1) if self.enabled else mesh
-
-    def lighthouse_address(self) -> str:
-        address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
-        if not address:
-            raise ValueError("fault_tolerance='torchft' needs a lighthouse: pass torchft_lighthouse='http://HOST:PORT' "
-                             f"or set {LIGHTHOUSE_ENV}. Start one with `torchft_lighthouse --min_replicas 1 "
-                             "--join_timeout_ms 10000 --bind [::]:29510` (it comes with `pip install torchft`).")
-        return address
-
-    def group_id(self, replicas: int) -> int:
-        group = self.replica_group_id
-        if group is None:
-            text = os.environ.get(REPLICA_GROUP_ENV)
-            if text is None or not text.strip().isdigit():
-                raise ValueError(f"fault_tolerance='torchft' needs this job's replica group: pass replica_group_id "
-                                 f"or set {REPLICA_GROUP_ENV} (0 .. {replicas - 1}); got {text!r}.")
-            group = int(text)
-        if not 0 <= group < replicas:
-            raise ValueError(f"replica_group_id={group} is outside 0 .. {replicas - 1} "
-                             f"(data_parallel_replicate_size={replicas}).")
-        return group
 
 
 def check_lighthouse_answers(address: str) -> None:
@@ -151,7 +71,7 @@ def check_lighthouse_answers(address: str) -> None:
                               f"or point torchft_lighthouse / {LIGHTHOUSE_ENV} at the one that runs.") from None
 
 
-class ReplicaGroups:
+class ReplicaGroups(RunState):
     """This job's side of torchft: the quorum and commit of every step, the gradient all-reduce across groups, the
     batch share, and the state a rejoining group receives.
 
@@ -160,9 +80,12 @@ class ReplicaGroups:
         replicas: ``data_parallel_replicate_size``, the number of groups the run was planned with.
         device: this rank's device (its torchft process group is NCCL on CUDA, gloo otherwise).
         timeout: how long a collective, a quorum or a state transfer may take.
+        add_strategy_state: adds what the strategy keeps in a checkpoint dict (the data position) to the state a
+            rejoining group receives.
     """
 
-    def __init__(self, config: FaultToleranceConfig, replicas: int, device: torch.device, timeout: timedelta) -> None:
+    def __init__(self, config: FaultToleranceConfig, replicas: int, device: torch.device, timeout: timedelta,
+                 add_strategy_state: Callable[[dict[str, Any]], None]) -> None:
         # torchft's Rust side logs 9 INFO lines per step and group; warnings and errors still show (a user's own
         # RUST_LOG wins). Read when torchft is first imported, which is here.
         os.environ.setdefault("RUST_LOG", "warn")
@@ -173,6 +96,7 @@ class ReplicaGroups:
         check_lighthouse_answers(lighthouse)
         process_group = (ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
         self._replicas = replicas
+        self._add_strategy_state = add_strategy_state
         self._trainer: pl.Trainer | None = None
         self._step_start: dict[str, Any] | None = None  # the Lightning state after the last step (``_StepBoundary``)
         self._received: dict[str, Any] | None = None
@@ -188,10 +112,10 @@ class ReplicaGroups:
 
     # ---- set-up ---------------------------------------------------------------------------------
 
-    def attach(self, trainer: pl.Trainer, model: nn.Module, runtime: ParallelRuntime | None,
-               add_strategy_state: Callable[[dict[str, Any]], None]) -> None:
-        """Hook the parallelized model in (after ``parallelize``); refuse what cannot run. ``add_strategy_state``
-        adds what the strategy keeps in a checkpoint dict (the data position)."""
+    @override
+    def start_fit(self, trainer: pl.Trainer) -> None:
+        """Hook the parallelized model and its runtime in (after ``parallelize``); refuse what cannot run."""
+        runtime: ParallelRuntime | None = trainer.strategy.runtime
         module = trainer.lightning_module
         if runtime is None:
             raise ValueError("fault_tolerance='torchft' needs a module that declares a parallel_plan(): the strategy "
@@ -205,7 +129,7 @@ class ReplicaGroups:
                              "after the group has joined the live ones and taken their state, and would undo that. "
                              "Use TitanStrategy(auto_resume=True), which loads the newest checkpoint of the "
                              "ModelCheckpoint folder before the group joins.")
-        units = [unit for unit in model.modules() if isinstance(unit, FSDPModule)]
+        units = [unit for unit in trainer.strategy.model.modules() if isinstance(unit, FSDPModule)]
         if not units:
             raise ValueError("fault_tolerance='torchft' sums gradients across replica groups in FSDP2's all-reduce "
                              "hook, and this model has no FSDP unit.")
@@ -220,11 +144,14 @@ class ReplicaGroups:
 
         for unit in units:
             unit.set_all_reduce_hook(reduce_gradient)
+        runtime.replicas = self  # the steps share the batch and commit through this group
         self._trainer = trainer
         if not any(isinstance(callback, _StepBoundary) for callback in trainer.callbacks):
-            trainer.callbacks.append(_StepBoundary(self, add_strategy_state))
+            trainer.callbacks.append(_StepBoundary(self, self._add_strategy_state))
 
-    def first_quorum(self) -> dict[str, Any] | None:
+    @override
+    def resume_point(self) -> dict[str, Any] | None:
+        """Join the first quorum; the Lightning state of a live peer this group was behind, if any."""
         """Join the groups before Lightning's loop starts. Returns the Lightning checkpoint dict of a live peer when
         this group was behind and took the peer's state (parameters and optimizer are already in place)."""
         # What a group behind this one would take now: the checkpoint this group resumed from, if any (its
@@ -276,16 +203,19 @@ class ReplicaGroups:
 
         return run
 
+    @override
     def save(self, checkpoint: dict[str, Any]) -> None:
         """torchft's step count goes into every checkpoint: a group resumed from one is then behind or level with
         the live groups by the steps it really lacks, and takes their state when behind."""
         checkpoint[_MANAGER_KEY] = self.manager.state_dict()
 
-    def load(self, checkpoint: dict[str, Any]) -> None:
+    @override
+    def load(self, checkpoint: dict[str, Any], sharded: LoadedCheckpoint | None) -> None:
         if _MANAGER_KEY in checkpoint:
             self.manager.load_state_dict(checkpoint[_MANAGER_KEY])
 
-    def shutdown(self) -> None:
+    @override
+    def teardown(self) -> None:
         self.manager.shutdown(wait=False)
 
     # ---- across groups --------------------------------------------------------------------------

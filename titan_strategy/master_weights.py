@@ -1,8 +1,8 @@
 """bf16 weights for compute, their fp32 masters kept by the optimizer: bf16-mixed without per-step casts.
 
 Under autocast, a model with fp32 weights casts each weight to bf16 in every forward and each bf16 weight
-gradient back to fp32 in every backward: at the Llama-3.2-1B shape, about 5 ms of a 283 ms step on an H200
-(benchmarks/RESULTS.md, issue #8). FSDP2's mixed precision hides its cast in the all-gather's copy, but a
+gradient back to fp32 in every backward: at the Llama-3.2-1B shape, about 2% of the step (benchmarks/RESULTS.md:
+'Master weights'). FSDP2's mixed precision hides its cast in the all-gather's copy, but a
 module that FSDP does not shard (one device) pays it. Here the parameters themselves hold bf16 values, and
 ``TritonAdamW`` updates an fp32 master of each and writes the bf16 value back in the same kernel, so
 nothing is cast. The model then computes as it does under FSDP2's ``MixedPrecisionPolicy``: bf16 weights,

@@ -4,9 +4,10 @@ DTensor-aware gradient clipping."""
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -25,10 +26,8 @@ from titan_strategy.master_weights import MasterWeights, hold_master_weights_whe
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from titan_strategy.runtime import ParallelRuntime
-
-__all__ = ["PrecisionMode", "SUPPORTED_PRECISION", "TitanPrecision", "configure_precision",
-           "drop_lightnings_amp_line", "to_titan_precision"]
+__all__ = ["ParallelizedAs", "PrecisionMode", "SUPPORTED_PRECISION", "TitanPrecision", "configure_precision",
+           "quiet_lightning_lines", "to_titan_precision"]
 
 TrainerPrecision = Literal["32-true", "bf16-mixed", "bf16-true", "16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = choices(TrainerPrecision)
@@ -38,6 +37,22 @@ masters in TritonAdamW (``master_weights.py``); or autocast over fp32 parameters
 lower dtype, so each of them computes in fp32 (autocast, then, is not entered). Under "bf16-true" and "16-true"
 the parameters themselves hold the low dtype: nothing casts them, and FSDP reduces gradients in fp32."""
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+class ParallelizedAs(Protocol):
+    """What the choice of precision needs to know of how the strategy parallelized the model (its runtime)."""
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP wraps the model, and its mixed-precision policy casts the parameters."""
+
+    @property
+    def pipeline(self) -> object | None:
+        """The pipeline schedule's runner under PP, else None."""
+
+    @property
+    def grad_norm_group(self) -> ProcessGroup | None:
+        """The group the gradient norm spans beyond the parameters' own meshes."""
 
 
 class TitanPrecision(Precision):
@@ -177,11 +192,11 @@ def to_titan_precision(plugin: Precision | None) -> TitanPrecision | None:
     )
 
 
-def configure_precision(plugin: TitanPrecision, module: pl.LightningModule, runtime: ParallelRuntime | None,
-                        optimizers: list[Optimizer]) -> MasterWeights | None:
+def configure_precision(plugin: TitanPrecision, module: pl.LightningModule, optimizers: list[Optimizer],
+                        parallelized: ParallelizedAs | None) -> MasterWeights | None:
     """Decide how this run computes and set ``plugin`` up for it: the one place precision is chosen.
 
-    - A module that parallelized itself (no runtime): autocast, as Lightning runs it.
+    - A module that parallelized itself (``parallelized`` None): autocast, as Lightning runs it.
     - A module FSDP shards: FSDP2's mixed precision (``parallelize`` gave it the policy).
     - Under bf16-mixed, an unsharded module whose every parameter TritonAdamW updates, with one backward per
       step: master weights.
@@ -190,15 +205,15 @@ def configure_precision(plugin: TitanPrecision, module: pl.LightningModule, runt
     Returns:
         The master weights to release at teardown, where they were chosen.
     """
-    plugin.grad_norm_group = runtime.grad_norm_group if runtime is not None else None
+    plugin.grad_norm_group = parallelized.grad_norm_group if parallelized is not None else None
     master = None
-    if runtime is None:
+    if parallelized is None:
         mode: PrecisionMode = "autocast"
-    elif runtime.sharded:
+    elif parallelized.sharded:
         mode = "fsdp_mixed"
     else:
         master = hold_master_weights_where_exact(module, optimizers, plugin.param_dtype,
-                                                 pipelined=runtime.pipeline is not None)
+                                                 pipelined=parallelized.pipeline is not None)
         mode = "master_weights" if master is not None else "autocast"
     plugin.mode = mode
     if plugin.precision == "bf16-mixed":  # in place of Lightning's AMP line, which the strategy silences
@@ -222,8 +237,11 @@ class _WithoutLightningsAmpLine(logging.Filter):
         return "Automatic Mixed Precision (AMP)" not in record.getMessage()
 
 
-def drop_lightnings_amp_line() -> None:
-    """Install the filter on Lightning's rank-zero loggers (once; every Trainer of this process is affected)."""
+def quiet_lightning_lines() -> None:
+    """Silence what Lightning says that is not so under this strategy, or that no user can act on (once; every
+    Trainer of this process is affected): its AMP line, and torch 2.13's pytree deprecation, which Lightning 2.6
+    triggers twice a run."""
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _WithoutLightningsAmpLine) for f in logger.filters):

@@ -1,7 +1,7 @@
 """Preemption and restarts: SIGTERM saves the current step before the process exits; a restart says what it replays.
 
 SLURM and Kubernetes preempt a job with SIGTERM to every process, and torchrun's agent forwards it to
-its workers. ``watch_for_preemption`` (TitanStrategy's ``save_on_sigterm``, on by default when a
+its workers. ``PreemptionWatch`` (TitanStrategy's ``save_on_sigterm``, on by default when a
 ``ModelCheckpoint`` has a folder) replaces Lightning's SIGTERM handler, which runs a collective inside
 the signal handler, with one that only notes the signal. After every optimizer step the ranks agree
 (a MAX all-reduce of one number on a gloo group of their own, so a signal that reached any rank counts for
@@ -31,8 +31,11 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
-__all__ = ["PREEMPTED_EXIT_CODE", "PROGRESS_FILE", "replay_report", "watch_for_preemption"]
+from titan_strategy.run_state import RunState
+
+__all__ = ["PREEMPTED_EXIT_CODE", "PROGRESS_FILE", "PreemptionWatch", "replay_report"]
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 PROGRESS_FILE = ".titan_progress.json"
@@ -80,11 +83,19 @@ class _SaveOnPreemption(Callback):
         raise SIGTERMException(PREEMPTED_EXIT_CODE)
 
 
-def watch_for_preemption(trainer: pl.Trainer, group: dist.ProcessGroup, track_progress: bool) -> None:
-    """Add the SIGTERM-saving callback to ``trainer`` (once; it does nothing without a ModelCheckpoint folder).
-    ``track_progress`` (under ``auto_resume``) keeps the last finished step for ``replay_report``."""
-    if not any(isinstance(callback, _SaveOnPreemption) for callback in trainer.callbacks):
-        trainer.callbacks.append(_SaveOnPreemption(group, track_progress))
+class PreemptionWatch(RunState):
+    """``save_on_sigterm``: each ``fit`` gets the SIGTERM-saving callback (once; it does nothing without a
+    ModelCheckpoint folder). ``track_progress`` (under ``auto_resume``) keeps the last finished step for
+    ``replay_report``; ``group`` is a gloo group of every rank, for the loop's own small collectives."""
+
+    def __init__(self, group: dist.ProcessGroup, track_progress: bool) -> None:
+        self._group = group
+        self._track_progress = track_progress
+
+    @override
+    def start_fit(self, trainer: pl.Trainer) -> None:
+        if not any(isinstance(callback, _SaveOnPreemption) for callback in trainer.callbacks):
+            trainer.callbacks.append(_SaveOnPreemption(self._group, self._track_progress))
 
 
 def _write_progress(folder: Path, step: int) -> None:

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
-from titan_strategy.mesh import ParallelDims
+from titan_strategy.config.mesh import ParallelDims
 from titan_strategy.strategy import TitanStrategy
 
 __all__ = ["LiveStorageBytes", "RankRehearsal", "RehearsalMeter", "RehearsalStrategy", "rank_coordinates",

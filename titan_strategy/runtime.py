@@ -1,17 +1,19 @@
 """What happens at every step for the techniques ``parallelize`` applied.
 
 The runtime owns the step and backward contexts (loss parallel, ring attention, sequence sharding), the
-pipeline's train, eval and predict steps, the token-weighted loss (``token_loss``), the work after each
-optimizer step (float8 scales), and the loss handed back to Lightning. ``TitanStrategy``'s hooks only
-delegate here, so a new technique touches its own module, its plan entry and this file, never the strategy.
+pipeline's train, eval and predict steps, the token-weighted loss (``token_loss``), torchft's batch share and
+commit, the gradient sync held back during accumulation (not under CUDA graphs), the work after each optimizer
+step (float8 scales), and the loss handed back to Lightning. ``TitanStrategy``'s hooks only delegate here, so a new
+technique touches its own module, its plan entry and this file, never the strategy.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -21,7 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from titan_strategy.logging_steps import is_logging_step
 from titan_strategy.parallelize.context_parallel import SequenceSharder, check_cp_sequence_length, ring_attention
+from titan_strategy.parallelize.cuda_graph import graphed_call
 from titan_strategy.parallelize.float8 import precompute_float8_scales
+from titan_strategy.parallelize.fsdp import no_gradient_sync
 from titan_strategy.parallelize.tensor_parallel import (
     as_local_loss,
     check_sequence_length,
@@ -32,6 +36,9 @@ from titan_strategy.pipeline.layout import PipelineLayout
 from titan_strategy.pipeline.runner import PipelineRunner
 from titan_strategy.plan import ParallelPlan
 from titan_strategy.token_loss import TokenWeighting
+
+if TYPE_CHECKING:
+    from titan_strategy.fault_tolerance import ReplicaGroups
 
 __all__ = ["ParallelRuntime", "Stage"]
 
@@ -56,6 +63,8 @@ class ParallelRuntime:
         token_weighting: sums and counts of labelled tokens over the ``loss`` mesh (``token_mean``).
         averaged_over: what a step's loss averages over besides accumulated batches (ranks, microbatches; ""
             for nothing), for the warning about plain means.
+        replicas: torchft's replica groups, which share each training batch and commit each step; None without
+            (``ReplicaGroups.start_fit`` sets it).
     """
 
     plan: ParallelPlan
@@ -69,6 +78,7 @@ class ParallelRuntime:
     float8_all_gather: bool
     token_weighting: TokenWeighting
     averaged_over: str
+    replicas: ReplicaGroups | None = None
 
     @property
     def grad_norm_group(self) -> ProcessGroup | None:
@@ -78,7 +88,10 @@ class ParallelRuntime:
     # ---- steps ------------------------------------------------------------------------------------
 
     def step(self, module: pl.LightningModule, stage: Stage, module_step: StepFn, args: tuple, kwargs: dict) -> Any:
-        """One training, validation or test step: the module's own, or under PP the schedule's."""
+        """One training, validation or test step: the module's own, or under PP the schedule's. Under torchft a
+        training step takes this replica group's rows of the batch."""
+        if stage == "train" and self.replicas is not None and args:
+            args = (self.replicas.share(args[0]), *args[1:])
         step = self._pipeline_step(module, stage) if self.pipeline is not None else module_step
         with self._sequence_shards(args) as local_args, ExitStack() as contexts:
             if self.loss_parallel:
@@ -169,16 +182,31 @@ class ParallelRuntime:
                 stack.enter_context(ring_attention(self.sharder.rotate_method))
             yield
 
-    def weighted_closure(self, closure: Callable[[], Any], optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    def step_closure(self, closure: Callable[[], Any], optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
         """Lightning's closure for the step's last batch, then the window's gradients made those of its token
-        mean; clipping and ``on_before_optimizer_step`` come after."""
+        mean; clipping and ``on_before_optimizer_step`` come after. Under torchft the whole is retried until
+        every replica group commits."""
 
         def run() -> Any:
             output = closure()
             self.token_weighting.finish_window(p for group in optimizer.param_groups for p in group["params"])
             return output
 
-        return run
+        if self.replicas is None:
+            return run
+        return self.replicas.committed(run, functools.partial(optimizer.zero_grad, set_to_none=True))
+
+    @contextmanager
+    def gradient_sync_held_back(self, module: nn.Module) -> Generator[None, None, None]:
+        """Skip FSDP2's gradient reduce-scatter on all but the last micro-batch of an accumulation window.
+
+        Not under CUDA graphs: a replayed backward reduce-scatters as it did when captured, and gradients an eager
+        warm-up held back would wait for an eager backward that may never come."""
+        if graphed_call(self.plan.model) is not None:
+            yield
+            return
+        with no_gradient_sync(module):
+            yield
 
     def after_optimizer_step(self) -> None:
         if self.float8_all_gather:
@@ -190,6 +218,11 @@ class ParallelRuntime:
         """After validation, test or predict: the pipeline's stage copies go back to the mode they had."""
         if self.pipeline is not None:
             self.pipeline.end_evaluation()
+
+    def release(self) -> None:
+        """Before the process groups go: captured CUDA graphs hold their communicators."""
+        if (graphed := graphed_call(self.plan.model)) is not None:
+            graphed.release()
 
 
 class _GradientsOnBackward(torch.autograd.Function):

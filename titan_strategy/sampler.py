@@ -16,10 +16,16 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
+
+from titan_strategy.run_state import RunState
+
+if TYPE_CHECKING:
+    from titan_strategy.checkpoint.dcp import LoadedCheckpoint
 
 __all__ = ["SamplerPosition", "ResumableSampler", "TrainingPosition", "resumable_loader"]
 
@@ -98,7 +104,7 @@ def resumable_loader(dataloader: DataLoader, position: Callable[[], tuple[int, i
     return _update_dataloader(dataloader, resumable, mode=RunningStage.TRAINING)
 
 
-class TrainingPosition:
+class TrainingPosition(RunState):
     """The strategy's side of the training sampler: it counts the samples the run trains on, draws each new
     iterator from there, saves the position in every checkpoint and takes it back from the one a run resumes.
 
@@ -145,6 +151,7 @@ class TrainingPosition:
         self._loops_position = None
         return resumable
 
+    @override
     def batch_started(self) -> None:
         """A training batch is about to be trained on: the next one comes after it."""
         if self._sampler is None:
@@ -153,6 +160,7 @@ class TrainingPosition:
         if self._samples >= self._epoch_samples:
             self._epoch, self._samples = self._epoch + 1, 0
 
+    @override
     def save(self, checkpoint: dict[str, Any]) -> None:
         """Add the data-parallel degree and the sampler's position to Lightning's checkpoint dict."""
         position = None
@@ -160,7 +168,8 @@ class TrainingPosition:
             position = SamplerPosition(self._epoch, self._samples, self._sampler.seed, self._global_batch).to_dict()
         checkpoint[self.CHECKPOINT_KEY] = {"data_parallel": self._data_parallel, "sampler": position}
 
-    def load(self, checkpoint: dict[str, Any]) -> None:
+    @override
+    def load(self, checkpoint: dict[str, Any], sharded: LoadedCheckpoint | None = None) -> None:
         """Keep the loaded checkpoint's position for the training loader Lightning builds next. A checkpoint of
         another strategy (DDP's) has none of ours: its loops say how many batches of which epoch were trained."""
         self._loaded = checkpoint.get(self.CHECKPOINT_KEY)

@@ -80,11 +80,11 @@ def is_token_weighted(module: pl.LightningModule) -> bool:
 
 
 def _weighting_of(module: pl.LightningModule) -> TokenWeighting | None:
-    from titan_strategy.strategy import TitanStrategy  # the strategy imports this module
-
+    """The token weighting of the module's strategy, TitanStrategy's runtime's; None under any other strategy (or
+    for a module that parallelized itself, which has no runtime)."""
     strategy = module._trainer.strategy if module._trainer is not None else None
-    runtime = strategy.runtime if isinstance(strategy, TitanStrategy) else None
-    return runtime.token_weighting if runtime is not None else None
+    weighting = getattr(getattr(strategy, "runtime", None), "token_weighting", None)
+    return weighting if isinstance(weighting, TokenWeighting) else None
 
 
 class TokenWeighting:

@@ -9,7 +9,7 @@ from titan_strategy.checkpoint.dcp import (
     newest_complete_checkpoint,
     optimizer_state_dict,
 )
-from titan_strategy.checkpoint.io import CHECKPOINT_MODES, CheckpointDiskFullError, DistributedCheckpointIO, SaveTiming
+from titan_strategy.checkpoint.io import CheckpointDiskFullError, DistributedCheckpointIO, SaveTiming
 from titan_strategy.checkpoint.manifest import CorruptCheckpointError
 from titan_strategy.checkpoint.rng import restore_rng_states
 from titan_strategy.checkpoint.weights import (
@@ -20,7 +20,7 @@ from titan_strategy.checkpoint.weights import (
     write_model_weights,
 )
 
-__all__ = ["CHECKPOINT_MODES", "ELASTIC_POSITION_KEY", "CheckpointDiskFullError", "CorruptCheckpointError",
+__all__ = ["ELASTIC_POSITION_KEY", "CheckpointDiskFullError", "CorruptCheckpointError",
            "DistributedCheckpointIO", "RankPlace", "SaveTiming", "check_weights_source", "is_titan_checkpoint",
            "load_checkpoint", "load_model_weights", "newest_complete_checkpoint", "optimizer_state_dict",
            "read_hyper_parameters", "read_model_weights", "restore_rng_states", "write_model_weights"]

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from threading import Lock
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,15 +54,14 @@ from titan_strategy.checkpoint.dcp import (
 )
 from titan_strategy.checkpoint.manifest import checkpoint_bytes, file_checksums, write_manifest
 from titan_strategy.checkpoint.rng import capture_rng_states
-from titan_strategy.checkpoint.weights import read_hyper_parameters, read_model_weights
+from titan_strategy.checkpoint.weights import check_weights_source, read_hyper_parameters, read_model_weights
 from titan_strategy.checkpoint.writer_process import start_quiet_writer
-from titan_strategy.knobs import check_choice, choices
+from titan_strategy.config.checkpoint import CheckpointConfig, CheckpointMode
+from titan_strategy.knobs import check_choice
 
-__all__ = ["CHECKPOINT_MODES", "CheckpointDiskFullError", "CheckpointMode", "DistributedCheckpointIO", "SaveTiming",
+__all__ = ["CheckpointDiskFullError", "DistributedCheckpointIO", "SaveTiming",
            "checked_checkpoint_io", "checkpoint_io_for", "partial_path"]
 
-CheckpointMode = Literal["sync", "async", "async_pinned"]
-CHECKPOINT_MODES: tuple[str, ...] = choices(CheckpointMode)
 _WRITER_THREADS = 4  # files written (and checksummed) in parallel per rank: one thread leaves disks idle
 
 
@@ -404,9 +403,12 @@ def checked_checkpoint_io(io: CheckpointIO | None) -> DistributedCheckpointIO:
     return io
 
 
-def checkpoint_io_for(mode: CheckpointMode, io: CheckpointIO | None) -> DistributedCheckpointIO:
-    """The checkpoint IO of ``TitanStrategy(checkpoint_mode=mode, checkpoint_io=io)``: ``io`` if given (its mode
-    must agree), else a new one of ``mode``."""
+def checkpoint_io_for(config: CheckpointConfig, io: CheckpointIO | None) -> DistributedCheckpointIO:
+    """The checkpoint IO of ``TitanStrategy``'s checkpoint knobs and its ``checkpoint_io``: ``io`` if given (its
+    mode must agree), else a new one of ``checkpoint_mode``. A weights source that is not there fails here."""
+    if config.initial_weights_path is not None:
+        check_weights_source(config.initial_weights_path)
+    mode = config.mode
     if io is None:
         return DistributedCheckpointIO(mode)
     if checked_checkpoint_io(io).mode != mode:

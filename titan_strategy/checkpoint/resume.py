@@ -8,11 +8,22 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from titan_strategy.checkpoint.dcp import newest_complete_checkpoint
 from titan_strategy.preemption import replay_report
+from titan_strategy.run_state import RunState
 
-__all__ = ["resume_from_newest"]
+__all__ = ["AutoResume", "resume_from_newest"]
+
+
+class AutoResume(RunState):
+    """``auto_resume``: a ``fit`` without a ``ckpt_path`` starts from the newest complete checkpoint."""
+
+    @override
+    def start_fit(self, trainer: pl.Trainer) -> None:
+        if trainer.ckpt_path is None:
+            resume_from_newest(trainer)
 
 
 def resume_from_newest(trainer: pl.Trainer) -> None:

@@ -7,10 +7,16 @@ own. The states hold only tensors, ints and tuples, so they load with ``weights_
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from typing_extensions import override
+
+from titan_strategy.run_state import RunState
+
+if TYPE_CHECKING:
+    from titan_strategy.checkpoint.dcp import LoadedCheckpoint
 
 __all__ = ["ResumedRngStates", "capture_rng_states", "restore_rng_states"]
 
@@ -36,22 +42,28 @@ def restore_rng_states(states: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(states["cuda"], device)
 
 
-class ResumedRngStates:
-    """The RNG states a loaded checkpoint holds, restored where the uninterrupted run would have had them:
+class ResumedRngStates(RunState):
+    """The RNG states a loaded sharded checkpoint holds, restored where the uninterrupted run would have had them:
     at once when they were saved at an epoch's end (the next epoch's dataloader draws its seed next), else
-    before the next training batch (saved mid-epoch, where no new iterator draws a seed)."""
+    before the next training batch (saved mid-epoch, where no new iterator draws a seed). The checkpoint IO saves
+    them with every rank's shards."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
         self._for_next_batch: dict[str, Any] | None = None
 
-    def loaded(self, states: dict[str, Any] | None, before_next_epoch: bool, device: torch.device) -> None:
-        """``states`` of a checkpoint just loaded (None: saved by another number of ranks)."""
-        if states is not None and before_next_epoch:
-            restore_rng_states(states, device)
+    @override
+    def load(self, checkpoint: dict[str, Any], sharded: LoadedCheckpoint | None) -> None:
+        if sharded is None:
+            return
+        states = sharded.rng_states  # None: saved by another number of ranks
+        if states is not None and sharded.rng_before_next_epoch:
+            restore_rng_states(states, self._device)
         else:
             self._for_next_batch = states
 
-    def before_batch(self, device: torch.device) -> None:
+    @override
+    def batch_started(self) -> None:
         if self._for_next_batch is not None:
-            restore_rng_states(self._for_next_batch, device)
+            restore_rng_states(self._for_next_batch, self._device)
             self._for_next_batch = None

@@ -1,8 +1,8 @@
 """FlashAttention-4 (the ``flash-attn-4`` package: CuTe DSL kernels for Hopper and Blackwell) as a torch op.
 
-On the H200, FA4's causal forward + backward ran 1.27x faster than cuDNN's, the fastest SDPA backend there,
-at the Llama-3.2-1B attention shape (head_dim 64) and 1.15x at Llama-3-8B's (head_dim 128), with
-grouped kv heads (benchmarks/RESULTS.md, issue #8). Wrapped as a custom op, it is one opaque node to
+FA4's causal forward + backward is faster than cuDNN's, the fastest of torch's SDPA backends, at the
+Llama-3.2-1B attention shape (head_dim 64) and at Llama-3-8B's (head_dim 128), with grouped kv heads
+(benchmarks/RESULTS.md: 'FA4'). Wrapped as a custom op, it is one opaque node to
 torch.compile (FA4's own autograd Function would break a compiled block's graph), and selective
 activation checkpointing can name it to keep its output.
 

@@ -13,9 +13,10 @@ input's own redistribution reduces.
 
 On CUDA, a chunk's loss and gradient (the whole vocabulary on one rank) are one Triton kernel, one program per token:
 it reads the token's logits once for the log-sum-exp, once more (mostly from L2) to overwrite them with the gradient.
-Inductor's kernels for the same torch code stream the chunk from memory once more: on an H100, 0.285 against 0.369 ms
-per 1024-token chunk, 1.5 ms less per 1B step's loss, 0.3 GiB lower peak (benchmarks/loss_chunk.py; RESULTS.md,
-session 13). Elsewhere, and for a vocabulary split over ranks, the torch code runs (compiled on CUDA).
+Inductor's kernels for the same torch code stream the chunk from memory once more, so the kernel takes about a quarter
+less time per chunk, and writing the gradient over the logits lowers the peak (benchmarks/loss_chunk.py;
+benchmarks/RESULTS.md: 'Loss chunk kernel'). Elsewhere, and for a vocabulary split over ranks, the torch code runs
+(compiled on CUDA).
 
 Why not liger-kernel's fused linear cross-entropy: it runs only on CUDA (Triton), so no CPU test could check the
 loss it computes, and it knows nothing of a vocabulary split over ranks.
@@ -37,9 +38,8 @@ __all__ = ["DEFAULT_CHUNK_TOKENS", "linear_cross_entropy"]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default, as titan_strategy.token_loss's
 DEFAULT_CHUNK_TOKENS = 1024
-"""Tokens per chunk: 0.25 GB of bf16 logits at a 128K vocabulary. At the 1B shape on an H100, 1024, 2048 and 4096
-train equally fast (within 0.3% of the plain loss and of each other, same lease) and 1024 peaks lowest: 39.7 GiB,
-against 40.4 and 41.9 (benchmarks/RESULTS.md)."""
+"""Tokens per chunk: 0.25 GB of bf16 logits at a 128K vocabulary. At the 1B shape 1024, 2048 and 4096 train as fast
+as the plain loss and as each other, and 1024 peaks lowest (benchmarks/RESULTS.md: 'Loss chunk size')."""
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor,
@@ -133,8 +133,8 @@ def _loss_and_grad_of_chunk(logits: Tensor, labels: Tensor, wants_grad: bool) ->
     return losses.sum(), logits if wants_grad else None
 
 
-# Columns per loop step and warps per token: blocks of 2048 to 8192 columns with 4 to 16 warps ran within 5% of each
-# other on an H100 (benchmarks/loss_chunk.py).
+# Columns per loop step and warps per token: blocks of 2048 to 8192 columns with 4 to 16 warps run within about 5% of
+# each other (benchmarks/loss_chunk.py; benchmarks/RESULTS.md: 'Loss chunk kernel').
 _ROW_BLOCK, _ROW_WARPS = 4096, 8
 
 

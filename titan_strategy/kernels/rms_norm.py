@@ -2,17 +2,17 @@
 
 ``llama_module.model.RMSNorm`` normalizes each row in fp32, rounds it to the input's dtype and scales it by the
 weight. Inductor's kernels for that code run at memory speed forward, but its backward is three kernels per layer
-(the weight's gradient, a reduction over every token, among them): at the 1B shape on an H200 the norms took 7.2 ms
-of a 296 ms step where their bytes need about 3 (benchmarks/RESULTS.md, session 14).
+(the weight's gradient, a reduction over every token, among them), which take over three times what their bytes
+need.
 
 Forward here reads a row once and writes it once. Backward reads each row's input and gradient once, writes the
 input's gradient, and keeps the weight's gradient in registers across the rows a program owns; a sum over the
 programs' partial sums finishes it. The row's scale is recomputed from the input it reads anyway, so nothing but
 the input is saved.
 
-On an H100 the 1B step ran 0.36% faster with it (54,807 and 54,731 tokens/s against 54,661 and 54,484, alternated
-in one lease) and peaked 0.2 GiB lower; less than the profile promised, since the residual adds inductor fused into
-its norm kernels now run on their own (session 15).
+The 1B step runs 0.36% faster with it and peaks 0.2 GiB lower (benchmarks/RESULTS.md: 'RMSNorm kernel'); less than
+the profile promised, since the residual adds inductor fused into its norm kernels now run on their own (folding
+the add into this kernel gained nothing measurable, so it was not kept: 'Tried, not kept').
 
 A custom op, so that a compiled block keeps it as one opaque node; the model calls it where
 ``rms_norm_kernel_takes`` says it applies (CUDA with Triton, plain tensors) and runs its torch code elsewhere.

@@ -2,14 +2,13 @@
 
 ``llama_module.model.apply_rope`` rotates each pair (x[2i], x[2i+1]) of a head by its position's angle. The
 kernels inductor makes of that torch code (the pair split and re-interleave, and the table rows gathered by
-position, element by element) run far below memory speed: at the 1B shape on an H200 the query's forward kernel
-moved its 134 MB at 1.3 TB/s, and RoPE took 4.1 ms of a 296 ms step (benchmarks/RESULTS.md, session 14).
+position, element by element) run far below memory speed: of the 1B step's pointwise work, RoPE was the furthest
+from it.
 
 This kernel reads each token's heads as one contiguous block, splits the pairs in registers, reads the token's
 cos/sin row once for all its heads and writes the block back. Backward is the same kernel rotating the other way.
-On an H100 the 1B step ran 0.9% faster with it (53,986 and 53,978 tokens/s against 53,447 and 53,574, alternated
-in one lease), the 8B width x 16 layers with float8 0.9% too; its 64 launches took 2.0 ms of that 1B step
-(benchmarks/layer_kernels.py times it alone).
+The 1B step and the 8B width x 16 layers with float8 each run about 1% faster with it (benchmarks/RESULTS.md:
+'RoPE kernel'; benchmarks/layer_kernels.py times it alone).
 
 A custom op, so that a compiled block keeps it as one opaque node; the model calls it where ``rope_kernel_takes``
 says it applies (CUDA with Triton, plain tensors, a power-of-two head_dim, a table without gradient) and runs its

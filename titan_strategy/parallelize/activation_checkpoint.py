@@ -12,21 +12,19 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import titan_strategy.kernels.flash_attention4  # noqa: F401 -- registers torch.ops.titan.flash_attention4
-from titan_strategy.knobs import check_choice, knob
+from titan_strategy.config.activation_checkpoint import ACMode
 
-__all__ = ["ACMode", "ActivationCheckpointConfig", "apply_ac"]
+__all__ = ["apply_ac"]
 
 log = logging.getLogger(__name__)
 
-ACMode = Literal["none", "full", "selective_op", "selective_layer"]
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
@@ -39,21 +37,6 @@ _ATTENTION = {getattr(_aten, name).default for name in (
 # Float8 matmuls count as matmuls when torchao's float8 training is on.
 if hasattr(_aten, "_scaled_mm"):
     _MATMULS.add(_aten._scaled_mm.default)
-
-
-@dataclass(frozen=True)
-class ActivationCheckpointConfig:
-    """How much of each block's activations backward recomputes instead of keeping (the module docstring's modes)."""
-
-    mode: ACMode = knob("activation_checkpointing", "none")
-    every: int = knob("activation_checkpointing_every", 2)
-    """The k of "selective_layer": every k-th block is checkpointed."""
-
-    def __post_init__(self) -> None:
-        check_choice("activation_checkpointing", self.mode, ACMode)
-        if not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"activation_checkpointing_every={self.every} must be >= 1 (selective_layer checkpoints "
-                             "every that many-th block).")
 
 
 def apply_ac(model: nn.Module, blocks: dict[str, int], mode: ACMode, every: int = 2) -> None:

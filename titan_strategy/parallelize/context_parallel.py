@@ -20,9 +20,8 @@ import fnmatch
 import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,31 +35,18 @@ from torch.distributed.tensor.experimental._context_parallel import (
     _enable_context_parallel_dispatcher,
 )
 
+from titan_strategy.config.context_parallel import RotateMethod
 from titan_strategy.distributed import per_simulated_rank, simulating_ranks
-from titan_strategy.knobs import check_choice, knob
 from titan_strategy.plan import ContextParallelPlan
 
-__all__ = ["ContextParallelConfig", "RotateMethod", "SequenceSharder", "apply_cp", "check_cp_plan",
-           "check_cp_sequence_length", "ring_attention"]
+__all__ = ["SequenceSharder", "apply_cp", "check_cp_plan", "check_cp_sequence_length", "ring_attention"]
 
 log = logging.getLogger(__name__)
 
-RotateMethod = Literal["allgather", "alltoall"]
 # torch 2.13 renamed it (the old name warns there); torch 2.11 has only the old name.
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 _SEQ_DIM = 2  # of the (batch, heads, seq, head_dim) tensors attention sees
 _aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class ContextParallelConfig:
-    """How the ring passes key/value shards; the degree is the mesh's (``MeshConfig.cp``)."""
-
-    rotate_method: RotateMethod = knob("context_parallel_rotate_method", "allgather")
-    """"allgather" (gathered once per attention call) or "alltoall" (passed to the next rank at each ring step)."""
-
-    def __post_init__(self) -> None:
-        check_choice("context_parallel_rotate_method", self.rotate_method, RotateMethod)
 
 
 def check_cp_plan(plan: ContextParallelPlan | None, cp: int) -> None:

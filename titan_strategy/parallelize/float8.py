@@ -12,41 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_strategy.gpu import check_gpu_capability
-from titan_strategy.knobs import check_choice, knob
+from titan_strategy.config.float8 import Float8Recipe
 
-__all__ = ["Float8Config", "Float8Recipe", "apply_float8", "precompute_float8_scales"]
+__all__ = ["apply_float8", "precompute_float8_scales"]
 
 log = logging.getLogger(__name__)
 
-Float8Recipe = Literal["none", "tensorwise", "rowwise"]
-# float8 tensor cores arrived with Ada/Hopper (SM 8.9).
-_MIN_CAPABILITY = (8, 9)
 # torch's float8 matmul needs both dims of every operand divisible by 16.
 _ALIGNMENT = 16
-
-
-@dataclass(frozen=True)
-class Float8Config:
-    """torchao float8 training of the linear layers (the plan's ``float8_skip`` stays bf16)."""
-
-    recipe: Float8Recipe = knob("float8", "none")
-
-    def __post_init__(self) -> None:
-        check_choice("float8", self.recipe, Float8Recipe)
-
-    def check_device(self, device: torch.device) -> None:
-        """Refuse float8 where it cannot run: before the process builds anything."""
-        if self.recipe != "none":
-            check_gpu_capability(device, _MIN_CAPABILITY, f"float8={self.recipe!r}", "H100, H200, L40, B200...",
-                                 "use float8='none'")
 
 
 def apply_float8(model: nn.Module, recipe: Float8Recipe, skip: tuple[str, ...], fsdp_all_gather: bool) -> int:

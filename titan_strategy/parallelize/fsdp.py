@@ -5,32 +5,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from titan_strategy.knobs import check_choice, knob
+from titan_strategy.config.fsdp import ReshardPolicy
 
-__all__ = ["FSDPConfig", "ReshardPolicy", "apply_fsdp", "fsdp_wraps", "no_gradient_sync"]
+__all__ = ["apply_fsdp", "fsdp_wraps", "no_gradient_sync"]
 
 log = logging.getLogger(__name__)
-
-ReshardPolicy = Literal["default", "always", "never"]
-
-
-@dataclass(frozen=True)
-class FSDPConfig:
-    """FSDP2's knob; the shard and replicate degrees are the mesh's (``MeshConfig``)."""
-
-    reshard_after_forward: ReshardPolicy = knob("fsdp_reshard_after_forward", "default")
-    """"default" frees gathered parameters after forward but in the last unit; "always" or "never"."""
-
-    def __post_init__(self) -> None:
-        check_choice("fsdp_reshard_after_forward", self.reshard_after_forward, ReshardPolicy)
 
 
 def fsdp_wraps(world_size: int) -> bool:

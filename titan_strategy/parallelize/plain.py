@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from titan_strategy.mesh import ParallelDims
-from titan_strategy.parallelize.materialize import own_initializers, run_initializers
-from titan_strategy.plan import ParallelPlan
+from titan_strategy.config.mesh import ParallelDims
+from titan_strategy.parallelize.materialize import materialize_with_own_initializers, own_initializers, run_initializers
+from titan_strategy.plan import ParallelPlan, PlannedModule
 
 __all__ = ["check_gradients_are_synchronized", "is_self_parallelized", "plain_plan", "repeated_blocks"]
 
@@ -80,6 +81,18 @@ def plain_plan(module: nn.Module, dims: ParallelDims) -> ParallelPlan:
     blocks = repeated_blocks(module)
     return ParallelPlan(model=module, fsdp_units=tuple((block,) for block in blocks),
                         init_weights=functools.partial(run_initializers, own_initializers(module)), blocks=blocks)
+
+
+def plan_of(module: nn.Module, dims: ParallelDims, device: torch.device) -> ParallelPlan | None:
+    """The plan a LightningModule is parallelized from: its own ``parallel_plan()``, or the one derived for a plain
+    module. A module that parallelized itself gets none: it is only materialized, by its own initializers, as
+    Lightning does."""
+    if isinstance(module, PlannedModule):
+        return module.parallel_plan()
+    if is_self_parallelized(module):
+        materialize_with_own_initializers(module, device)
+        return None
+    return plain_plan(module, dims)
 
 
 def check_gradients_are_synchronized(module: nn.Module, batch_mesh: DeviceMesh) -> None:

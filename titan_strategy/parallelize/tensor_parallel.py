@@ -6,7 +6,6 @@ import fnmatch
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,30 +14,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
-from titan_strategy.knobs import knob
 from titan_strategy.plan import TensorParallelPlan
 
-__all__ = ["TensorParallelConfig", "VocabularyParallelOutput", "apply_tp", "as_local_loss", "check_sequence_length",
-           "check_tp_plan", "logging_local_values", "loss_parallel_context"]
+__all__ = ["VocabularyParallelOutput", "apply_tp", "as_local_loss", "check_sequence_length", "check_tp_plan",
+           "logging_local_values", "loss_parallel_context"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TensorParallelConfig:
-    """How tensor parallelism splits the model; its degree is the mesh's (``MeshConfig.tp``)."""
-
-    sequence_parallel: bool = knob("sequence_parallel", True)
-    """Shard norms and residuals on the sequence dim too (less memory)."""
-    loss_parallel: bool = knob("loss_parallel", True)
-    """Keep the logits sharded on the vocabulary and compute the loss that way."""
-    async_tp: bool = knob("async_tensor_parallel", False)
-    """Overlap TP communication with the matmuls (AsyncTP: an inductor pass, CUDA symmetric memory)."""
-
-    def check_device(self, device: torch.device) -> None:
-        if self.async_tp and device.type != "cuda":
-            raise ValueError(f"async_tensor_parallel=True runs on CUDA only (symmetric memory), not on "
-                             f"{device.type!r}; set async_tensor_parallel=False.")
 
 
 class VocabularyParallelOutput(ColwiseParallel):

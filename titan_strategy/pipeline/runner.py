@@ -20,8 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from titan_strategy.config.pipeline import PipelineConfig
 from titan_strategy.parallelize.tensor_parallel import as_local_loss
-from titan_strategy.pipeline.layout import PipelineConfig, PipelineLayout, check_microbatch_split
+from titan_strategy.pipeline.layout import PipelineLayout, check_microbatch_split
 from titan_strategy.plan import PipelinePlan
 from titan_strategy.token_loss import TokenLoss
 

@@ -1,7 +1,7 @@
 """Per-rank memory and step time of one 4-D layout, from the model's shape alone.
 
 The activation sizes are counts of the tensors a Llama-style block keeps for backward, in bf16,
-calibrated on the benchmark GPU's measured peaks (benchmarks/RESULTS.md, issue #8 section).
+calibrated on measured single-GPU peaks (benchmarks/RESULTS.md: 'Planner vs measured peaks').
 Step time is model FLOPs over an achievable MFU, plus the communication that does not hide behind
 compute, stretched by the pipeline bubble. Every constant is named and says where it comes from.
 """
@@ -11,16 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from titan_strategy.config.pipeline import PipelineConfig, ScheduleName
 from titan_strategy.parallelize.activation_checkpoint import ACMode
 from titan_strategy.parallelize.fsdp import fsdp_wraps
-from titan_strategy.pipeline.layout import PipelineConfig, ScheduleName
 from titan_strategy.planner.hardware import GPU
 
 __all__ = ["Job", "Layout", "ModelShape", "Estimate", "estimate", "activation_bytes_per_token", "kv_dim"]
 
 GIB = 2**30
 _BF16, _FP32 = 2, 4
-# Measured on one H200 (RESULTS.md #8): 56.4% MFU for the 1B shape, 55.2% for 8B width, compiled.
+# What compiled steps reached at the calibration shapes when this model was first fitted (1B: 56.4% MFU, 8B width:
+# 55.2%; benchmarks/RESULTS.md, 2026-12-01 "GPU performance"). TP_EXPOSED below was fitted with it in place.
 ACHIEVABLE_MFU = 0.55
 # Smaller matmuls reach less of the peak. The efficiency of a microbatch's matmuls is modelled as
 # w / (w + MATMUL_HALF_WORK) in units of (tokens x dim / tp) / 4096, normalized to the calibration runs
@@ -29,10 +30,11 @@ MATMUL_HALF_WORK = 1024
 CALIBRATION_WORK = 8192
 # Each microbatch crossing a stage boundary pays a send, a receive and the schedule's bookkeeping.
 PP_MICROBATCH_OVERHEAD_S = 1e-3
-# Tensorwise float8 made the 8B-width shape's step 8.0% faster (RESULTS.md #8). One H200 later gave 1.256x at 8B
-# width x 16 layers (session 13), but not as a whole-step factor over the paper's layouts: with 1.25 the 70B
-# FSDP32 x TP8 row (TP_EXPOSED is fitted to it) overshoots the paper's 876 tokens/s/GPU by 13% (session 15). A
-# factor on the matmuls alone would model it honestly; until then the step factor stays where the fits were made.
+# Tensorwise float8's whole-step gain at the 8B width when the fits were made (benchmarks/RESULTS.md, 2026-12-01
+# "GPU performance"). Later steps gained more (up to 1.26x: 'Float8'), but not as a whole-step factor over the
+# paper's layouts: with 1.25 the 70B FSDP32 x TP8 row (TP_EXPOSED is fitted to it) overshoots the paper's 876
+# tokens/s/GPU by 13% ('Planner float8 factor'). A factor on the matmuls alone would model it honestly; until then
+# the step factor stays where the fits were made.
 FLOAT8_SPEEDUP = 1.08
 # What a ring collective reaches of the link's bandwidth, and its latency per ring step.
 COLLECTIVE_EFFICIENCY = 0.7
@@ -60,8 +62,8 @@ RUNTIME_GIB = 2.0
 # selective_op kept 91.6% of the speed, full 83.7%).
 RECOMPUTE: dict[ACMode, float] = {"none": 0.0, "selective_op": 0.09, "selective_layer": 0.10, "full": 0.19}
 # What full AC keeps per block and microbatch under FSDP, as a multiple of the block's input, without and with
-# PP, beside the RoPE table copies and pipeline buffers counted on their own (``_memory``). Fitted on the ranks
-# rehearsed on one H200 (benchmarks/RESULTS.md, "Rehearsals"; tests/test_planner.py): 1.3 without PP (the
+# PP, beside the RoPE table copies and pipeline buffers counted on their own (``_memory``). Fitted on rehearsed
+# ranks (benchmarks/RESULTS.md: 'Planner vs rehearsed ranks'; tests/test_planner.py): 1.3 without PP (the
 # sequence all-gathers' outputs beside the block inputs), 1.0, the input alone, under PP.
 FULL_AC_KEPT = {False: 1.3, True: 1.0}
 # Bytes per parameter of a pipeline stage's unsharded gradients until FSDP reduces them at its last microbatch, at

@@ -1,5 +1,10 @@
-"""TitanStrategy's flat knobs turned into one frozen config per feature, in one place, and the rules that span
-features. ``TitanStrategy(...)``, its YAML form and ``titan plan --check`` all go through ``TitanConfig``."""
+"""TitanStrategy's flat knobs turned into one frozen config per feature, and the rules that span features.
+
+Each knob is described once, by its field in a feature's dataclass here (its ``Literal`` type, default and
+docstring); ``docs/knobs.md`` is generated from them (``python -m titan_strategy.knob_reference``). The modules of
+this package are leaves: they import no runtime code, so reading a config is cheap. ``TitanStrategy(...)``, its
+YAML form and ``titan plan --check`` all go through ``TitanConfig``.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +14,23 @@ from typing import Any, get_type_hints
 
 import torch
 
-from titan_strategy.checkpoint.config import CheckpointConfig
-from titan_strategy.distributed import DistributedConfig
-from titan_strategy.fault_tolerance import FaultToleranceConfig
+from titan_strategy.config.activation_checkpoint import ACMode, ActivationCheckpointConfig
+from titan_strategy.config.checkpoint import CheckpointConfig, CheckpointMode
+from titan_strategy.config.compile import CompileConfig
+from titan_strategy.config.context_parallel import ContextParallelConfig, RotateMethod
+from titan_strategy.config.cuda_graphs import CudaGraphsConfig
+from titan_strategy.config.distributed import DistributedConfig
+from titan_strategy.config.fault_tolerance import FaultTolerance, FaultToleranceConfig
+from titan_strategy.config.float8 import Float8Config, Float8Recipe
+from titan_strategy.config.fsdp import FSDPConfig, ReshardPolicy
+from titan_strategy.config.mesh import MeshConfig, ParallelDims
+from titan_strategy.config.pipeline import ZERO_BUBBLE_SCHEDULES, PipelineConfig, ScheduleName
+from titan_strategy.config.tensor_parallel import TensorParallelConfig
 from titan_strategy.knobs import KNOB
-from titan_strategy.mesh import MeshConfig
-from titan_strategy.parallelize.activation_checkpoint import ActivationCheckpointConfig
-from titan_strategy.parallelize.compile import CompileConfig
-from titan_strategy.parallelize.context_parallel import ContextParallelConfig
-from titan_strategy.parallelize.float8 import Float8Config
-from titan_strategy.parallelize.fsdp import FSDPConfig
-from titan_strategy.parallelize.tensor_parallel import TensorParallelConfig
-from titan_strategy.pipeline.layout import ZERO_BUBBLE_SCHEDULES, PipelineConfig
 
-__all__ = ["PLUGIN_ARGUMENTS", "TitanConfig", "compiled_tp_problem", "compiled_zero_bubble_problem", "knob_names"]
+__all__ = ["PLUGIN_ARGUMENTS", "ACMode", "CheckpointMode", "FaultTolerance", "Float8Recipe", "ParallelDims",
+           "PipelineConfig", "ReshardPolicy", "RotateMethod", "ScheduleName", "TitanConfig", "compiled_tp_problem",
+           "compiled_zero_bubble_problem", "knob_fields", "knob_names"]
 
 # TitanStrategy's arguments that are Lightning plugins beside the knobs, not knobs.
 PLUGIN_ARGUMENTS = ("cluster_environment", "checkpoint_io")
@@ -43,6 +51,7 @@ class TitanConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     activation_checkpointing: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    cuda_graphs: CudaGraphsConfig = field(default_factory=CudaGraphsConfig)
     float8: Float8Config = field(default_factory=Float8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -56,12 +65,12 @@ class TitanConfig:
         if problem:
             raise ValueError(problem)
         self.fault_tolerance.check_layout(self.mesh, self.pipeline.size)
-        if self.compile.cuda_graphs and self.fault_tolerance.mode != "none":
+        if self.cuda_graphs.enabled and self.fault_tolerance.mode != "none":
             raise ValueError(f"cuda_graphs=True freezes the gradient all-reduce into a graph, but fault_tolerance="
                              f"{self.fault_tolerance.mode!r} decides it on the host every step (quorum, participation, "
                              "a communicator rebuilt when replicas change). Set cuda_graphs=False, or "
                              "fault_tolerance='none'.")
-        if self.compile.cuda_graphs and self.activation_checkpointing.mode != "none" and not self.compile.blocks:
+        if self.cuda_graphs.enabled and self.activation_checkpointing.mode != "none" and not self.compile.blocks:
             raise ValueError(f"cuda_graphs=True with activation_checkpointing={self.activation_checkpointing.mode!r} "
                              "needs compile=True: eager checkpointing saves the CUDA RNG state, which no graph "
                              "capture may read. Set compile=True, or activation_checkpointing='none'.")
@@ -80,36 +89,47 @@ class TitanConfig:
         unknown = set(knobs) - set(knob_names())
         if unknown:
             raise TypeError(f"TitanStrategy has no knob {sorted(unknown)}; the knobs are {sorted(knob_names())}.")
-        features = {}
-        for name, feature in _features().items():
-            values = {f.name: knobs[f.metadata[KNOB]] for f in dataclasses.fields(feature) if f.metadata[KNOB] in knobs}
-            features[name] = feature(**values)
+        features = {name: feature(**{f.name: knobs[f.metadata[KNOB]] for f in _knob_fields(feature)
+                                     if f.metadata[KNOB] in knobs})
+                    for name, feature in _features().items()}
+        # The pipeline's rules need its degree, a knob of the mesh.
+        features["pipeline"] = dataclasses.replace(features["pipeline"], size=features["mesh"].pp)
         return cls(**features)
+
+    @classmethod
+    def for_this_job(cls, **knobs: Any) -> TitanConfig:
+        """``from_knobs``, then ``check_job``: the config of a run about to start here."""
+        config = cls.from_knobs(**knobs)
+        config.check_job()
+        return config
 
     def knobs(self) -> dict[str, Any]:
         """The flat TitanStrategy arguments this config stands for (the inverse of ``from_knobs``)."""
         flat = {}
         for name in _features():
             feature = getattr(self, name)
-            flat |= {f.metadata[KNOB]: getattr(feature, f.name) for f in dataclasses.fields(feature)}
+            flat |= {f.metadata[KNOB]: getattr(feature, f.name) for f in _knob_fields(type(feature))}
         return flat
 
-    def check_torch(self) -> None:
-        """Refuse what the installed torch gets wrong. Apart from ``__post_init__``'s rules, which hold for any
-        torch, since ``titan plan --check`` reads configs for clusters that may run another version."""
+    def check_job(self) -> None:
+        """Refuse what this job cannot run: what the installed torch gets wrong, and a torchft job that does not
+        say where its lighthouse is or which group it is. Apart from ``__post_init__``'s rules, which hold for any
+        job, since ``titan plan --check`` reads configs for clusters that may run another torch."""
         problem = compiled_tp_problem(self.compile, self.mesh.tp)
         if problem:
             raise ValueError(problem)
+        self.fault_tolerance.check_job(self.mesh.dp_replicate)
 
     def check_module(self, module: Any) -> None:
         """Refuse a LightningModule these knobs cannot train, before any process starts."""
         self.compile.check_module(module)
+        self.cuda_graphs.check_module(module)
         self.pipeline.check_module(module)
 
     def check_device(self, device: torch.device) -> None:
         """Refuse what cannot run on ``device``, before any process starts (the checkpoint IO checks its mode)."""
         self.tensor_parallel.check_device(device)
-        self.compile.check_device(device)
+        self.cuda_graphs.check_device(device)
         self.float8.check_device(device)
 
 
@@ -118,10 +138,20 @@ def _features() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(TitanConfig)}
 
 
+def _knob_fields(feature: type) -> list[dataclasses.Field]:
+    """The fields of a feature config that hold a knob (a field such as the pipeline's degree holds another
+    feature's knob, set from it)."""
+    return [f for f in dataclasses.fields(feature) if KNOB in f.metadata]
+
+
+def knob_fields() -> dict[str, dataclasses.Field]:
+    """Every flat TitanStrategy knob, by name, with the field that describes it, in feature order."""
+    return {f.metadata[KNOB]: f for feature in _features().values() for f in _knob_fields(feature)}
+
+
 def knob_names() -> tuple[str, ...]:
     """Every flat TitanStrategy knob, once each, in feature order."""
-    names = [f.metadata[KNOB] for feature in _features().values() for f in dataclasses.fields(feature)]
-    return tuple(dict.fromkeys(names))
+    return tuple(knob_fields())
 
 
 # Also the capacity planner's rules (a layout it proposes must be one the strategy runs).

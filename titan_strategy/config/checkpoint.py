@@ -1,20 +1,22 @@
-"""The checkpoint knobs of TitanStrategy: how checkpoints are written, what a run starts from, auto-resume."""
+"""The checkpoint knobs: how checkpoints are written, what a run starts from, auto-resume."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from titan_strategy.checkpoint.io import CheckpointMode
-from titan_strategy.checkpoint.weights import check_weights_source
-from titan_strategy.knobs import check_choice, knob
+from titan_strategy.knobs import check_choice, choices, knob
 
-__all__ = ["CheckpointConfig"]
+__all__ = ["CHECKPOINT_MODES", "CheckpointConfig", "CheckpointMode"]
+
+CheckpointMode = Literal["sync", "async", "async_pinned"]
+CHECKPOINT_MODES: tuple[str, ...] = choices(CheckpointMode)
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Checkpoint writing and the run's starting point; a weights source that is not there fails here."""
+    """Checkpoint writing and the run's starting point (the weights source is checked by ``checkpoint_io_for``)."""
 
     mode: CheckpointMode = knob("checkpoint_mode", "sync")
     """"sync"; "async" (host copy in the loop, background thread); "async_pinned" (CUDA pinned memory on a side
@@ -35,8 +37,6 @@ class CheckpointConfig:
         if not isinstance(self.distributed, bool):  # the string "false" would be true, and save folders silently
             raise ValueError(f"save_distributed_checkpoint={self.distributed!r} must be True (sharded folders) or "
                              "False (one whole .ckpt file).")
-        if self.initial_weights is not None:
-            check_weights_source(Path(self.initial_weights))
 
     @property
     def initial_weights_path(self) -> Path | None:
