@@ -95,11 +95,12 @@ if [ "$NGPU" -ge 2 ]; then
     echo "== nccl-hang-drill"
     drill="$out/drill"; mkdir -p "$drill"
     cat >"$drill/spec.json" <<EOF
-{"devices": 2, "steps": 6, "batch_size": 4, "clip": 1.0, "accelerator": "cuda", "precision": "bf16-mixed",
- "strategy": {}, "drill": {"rank": 1, "step": 3, "skip": "all_reduce"},
- "flight_recorder": {"timeout_s": 10, "dump_dir": "$drill/fr"}}
+{"devices": 2, "steps": 6, "batch_size": 4, "accelerator": "cuda",
+ "trainer": {"clip": 1.0, "precision": "bf16-mixed", "strategy": {}},
+ "drills": {"hang": {"rank": 1, "step": 3, "skip": "all_reduce"}},
+ "callbacks": {"flight_recorder": {"timeout_s": 10, "dump_dir": "$drill/fr"}}}
 EOF
-    timeout 300 python tests/fork_launch.py 2 "$drill/spec.json" "$drill" >"$drill/job.log" 2>&1
+    timeout 300 python tests/support/fork_launch.py 2 "$drill/spec.json" "$drill" >"$drill/job.log" 2>&1
     job_rc=$?
     python -m titan_strategy.flight_recorder.cli analyze "$drill/fr" >"$drill/analyze.log" 2>&1
     named=$(grep -c "Likely cause: ranks \[1\] never issued" "$drill/analyze.log")

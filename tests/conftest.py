@@ -3,7 +3,6 @@ one cached single-process reference run per spec, and the test tiers (``unit``, 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -21,14 +20,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from tests.run_spec import RunSpec
+from tests.support.run_spec import RunSpec
 
-pytest.register_assert_rewrite("tests.parity")  # its asserts explain their failures, as a test file's do
+pytest.register_assert_rewrite("tests.support.parity")  # its asserts explain their failures, as a test file's do
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures"
-FORK_LAUNCH = Path(__file__).with_name("fork_launch.py")
-LAUNCH_SERVER = Path(__file__).with_name("launch_server.py")
+FORK_LAUNCH = REPO / "tests" / "support" / "fork_launch.py"
+LAUNCH_SERVER = REPO / "tests" / "support" / "launch_server.py"
 LAUNCH_TIMEOUT_S = 360  # a hung collective fails the test instead of stalling CI (2 loaded cores are slow)
 
 # Every test has exactly one (pyproject.toml registers them): `pytest -m unit` is the quick tier.
@@ -114,11 +113,11 @@ def one_rank_mesh(device_type: str, dim_name: str) -> Iterator[DeviceMesh]:
 
 def launch(nproc: int, spec: RunSpec, out_dir: Path, env: dict[str, str],
            timeout_s: float = LAUNCH_TIMEOUT_S) -> list[dict[str, Any]]:
-    """Run ``spec`` (its ``devices`` set to ``nproc``) on ``nproc`` forked ranks of tests/train_worker.py
-    (tests/fork_launch.py); return each rank's record."""
+    """Run ``spec`` (its ``devices`` set to ``nproc``) on ``nproc`` forked ranks of tests/support/train_worker.py
+    (tests/support/fork_launch.py); return each rank's record."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_file = out_dir / "spec.json"
-    spec_file.write_text(dataclasses.replace(spec, devices=nproc, stacks_after_s=max(timeout_s - 20, 1)).to_json())
+    spec_file.write_text(spec.with_(devices=nproc, stacks_after_s=max(timeout_s - 20, 1)).to_json())
     command = [sys.executable, str(FORK_LAUNCH), str(nproc), str(spec_file), str(out_dir)]
     try:
         if _launch_server is not None and env == _launch_server.env:
@@ -136,7 +135,7 @@ def launch(nproc: int, spec: RunSpec, out_dir: Path, env: dict[str, str],
 
 
 class _LaunchServer:
-    """tests/launch_server.py: the session's launches forked from one process that imported the worker once
+    """tests/support/launch_server.py: the session's launches forked from one process that imported the worker once
     (a fresh interpreter per launch spent about 6 s importing). Started under ``env``, it takes only launches
     with that environment (variables read at import time are its own)."""
 
@@ -148,11 +147,11 @@ class _LaunchServer:
                                             cwd=folder, stdout=subprocess.PIPE, stderr=log, text=True)
         assert self.process.stdout is not None
         if self.process.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"tests/launch_server.py did not start; see {folder / 'launch_server.log'}")
+            raise RuntimeError(f"tests/support/launch_server.py did not start; see {folder / 'launch_server.log'}")
 
     def run(self, command: list[str], nproc: int, spec_file: Path, out_dir: Path,
             timeout_s: float) -> subprocess.CompletedProcess:
-        """What ``subprocess.run(command, ...)`` of tests/fork_launch.py would give, without its imports."""
+        """What ``subprocess.run(command, ...)`` of tests/support/fork_launch.py would give, without its imports."""
         stdout, stderr = out_dir / "launch.stdout", out_dir / "launch.stderr"
         request = {"nproc": nproc, "spec_file": str(spec_file), "out_dir": str(out_dir), "cwd": str(out_dir),
                    "env": self.env, "stdout": str(stdout), "stderr": str(stderr)}
@@ -195,7 +194,7 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory,
     records: dict[str, dict[str, Any]] = {}
 
     def run(spec: RunSpec) -> dict[str, Any]:
-        spec = dataclasses.replace(spec, devices=1, cross_entropy="logits")
+        spec = spec.with_(devices=1, model={"cross_entropy": "logits"})
         key = spec.to_json()
         if key not in records:
             records[key] = launch(1, spec, tmp_path_factory.mktemp("reference"), test_env)[0]

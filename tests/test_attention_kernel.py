@@ -4,7 +4,6 @@ where it cannot run."""
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,8 @@ from llama_module import LlamaModule
 from llama_module.args import get_flavor
 from llama_module.model import Llama
 from tests.conftest import launch
-from tests.parity import ReferenceRun, series
-from tests.run_spec import RunSpec
+from tests.support.parity import ReferenceRun, series
+from tests.support.run_spec import DataSpec, ModelSpec, RunSpec, TrainerSpec
 from titan_strategy.kernels.flash_attention4 import (
     flash_attention4,
     flash_attention4_installed,
@@ -87,12 +86,13 @@ def test_fa4_is_refused_on_cpu_before_the_model_exists(tmp_path: Path, test_env:
     with pytest.raises(AssertionError, match=r"attention_kernel='fa4' needs an NVIDIA GPU of compute capability >= "
                                              r"9\.0 \(Hopper or Blackwell.*\), but the run is on cpu; use "
                                              r"attention_kernel='sdpa'"):
-        launch(1, RunSpec(steps=1, batch_size=2, attention_kernel="fa4"), tmp_path, test_env)
+        launch(1, RunSpec(steps=1, batch_size=2, model=ModelSpec(attention_kernel="fa4")), tmp_path, test_env)
 
 
 @pytest.mark.multiprocess
 def test_fa4_is_refused_under_context_parallelism(tmp_path: Path, test_env: dict[str, str]) -> None:
-    spec = RunSpec(steps=1, batch_size=2, attention_kernel="fa4", strategy={"context_parallel_size": 2})
+    spec = RunSpec(steps=1, batch_size=2, model=ModelSpec(attention_kernel="fa4"),
+                   trainer=TrainerSpec(strategy={"context_parallel_size": 2}))
     with pytest.raises(AssertionError, match=r"attention_kernel='fa4' with context_parallel_size=2: ring attention "
                                              r"runs through torch's SDPA"):
         launch(2, spec, tmp_path, test_env)
@@ -115,11 +115,12 @@ def _fa4_gpu() -> bool:
 def test_fa4_trains_like_sdpa_on_cuda(tmp_path: Path, test_env: dict[str, str], reference_run: ReferenceRun) -> None:
     # head_dim 64 (FA4 has no kernels for the tiny model's 8); compiled blocks, and under selective AC the op's
     # output is kept while the rest is recomputed.
-    spec = RunSpec(steps=10, batch_size=8, seq_len=64, clip=1.0, accelerator="cuda", precision="bf16-mixed",
-                   timeout_seconds=300, model={"dim": 256, "n_heads": 4, "n_kv_heads": 2})
-    sdpa = reference_run(replace(spec, strategy={"compile": True}))
-    fa4 = launch(1, replace(spec, attention_kernel="fa4",
-                            strategy={"compile": True, "activation_checkpointing": "selective_op"}),
+    spec = RunSpec(steps=10, batch_size=8, accelerator="cuda", data=DataSpec(seq_len=64),
+                   trainer=TrainerSpec(clip=1.0, precision="bf16-mixed", timeout_seconds=300),
+                   model=ModelSpec(config={"dim": 256, "n_heads": 4, "n_kv_heads": 2}))
+    sdpa = reference_run(spec.with_(trainer={"strategy": {"compile": True}}))
+    fa4 = launch(1, spec.with_(model={"attention_kernel": "fa4"},
+                               trainer={"strategy": {"compile": True, "activation_checkpointing": "selective_op"}}),
                  tmp_path / "fa4", test_env)[0]
     sdpa_loss, fa4_loss = series(sdpa, "train_loss"), series(fa4, "train_loss")
     assert fa4_loss != sdpa_loss  # FA4's kernels really ran

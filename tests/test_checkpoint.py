@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import shutil
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 from tests.conftest import free_port, launch, run_command
-from tests.run_spec import RunSpec
+from tests.support.run_spec import CheckpointSpec, DataSpec, DrillSpec, RunSpec, TrainerSpec
 from titan_strategy import (
     CorruptCheckpointError,
     DistributedCheckpointIO,
@@ -28,7 +27,8 @@ from titan_strategy.checkpoint.manifest import checkpoint_bytes
 from titan_strategy.checkpoint.rng import capture_rng_states, restore_rng_states
 
 # 20 steps of text data: a resumed run must also restore each data-parallel rank's position in its stream.
-TEXT = RunSpec(steps=20, batch_size=2, clip=1.0, data="text", rng_probe=True)
+TEXT = RunSpec(steps=20, batch_size=2, trainer=TrainerSpec(clip=1.0), data=DataSpec(kind="text"),
+               checkpoints=CheckpointSpec(rng_probe=True))
 
 
 def _keep_latest_two(folder: Path) -> dict[str, Any]:
@@ -44,12 +44,13 @@ def _complete(folder: Path) -> list[str]:
 def test_async_resume_repeats_an_uninterrupted_run_exactly(tmp_path: Path, test_env: dict[str, str]) -> None:
     # 20 steps in one go, against 10 steps, a restart from ckpt_path="last", and 10 more. Writes are slowed
     # so that ModelCheckpoint asks to delete older checkpoints while the newer one is still being written.
-    spec = replace(TEXT, strategy={"checkpoint_mode": "async"}, slow_writes_s=0.3)
-    full = launch(2, replace(spec, model_checkpoint=_keep_latest_two(tmp_path / "full"), log_removals=True),
+    spec = TEXT.with_(trainer={"strategy": {"checkpoint_mode": "async"}}, drills={"slow_writes_s": 0.3})
+    full = launch(2, spec.with_(checkpoints={"model_checkpoint": _keep_latest_two(tmp_path / "full"),
+                                                 "log_removals": True}),
                   tmp_path / "full_run", test_env)
-    halves = replace(spec, model_checkpoint=_keep_latest_two(tmp_path / "halves"))
-    launch(2, replace(halves, steps=10), tmp_path / "first", test_env)
-    resumed = launch(2, replace(halves, resume_from="last"), tmp_path / "second", test_env)
+    halves = spec.with_(checkpoints={"model_checkpoint": _keep_latest_two(tmp_path / "halves")})
+    launch(2, halves.with_(steps=10), tmp_path / "first", test_env)
+    resumed = launch(2, halves.with_(checkpoints={"resume_from": "last"}), tmp_path / "second", test_env)
     for rank in range(2):
         expected = [step for step in full[rank]["steps"] if step["step"] > 10]
         assert [step["step"] for step in resumed[rank]["steps"]] == list(range(11, 21))
@@ -70,14 +71,16 @@ def test_async_resume_repeats_an_uninterrupted_run_exactly(tmp_path: Path, test_
 def test_a_rank_killed_during_an_async_save_leaves_the_previous_checkpoint_to_resume(
         tmp_path: Path, test_env: dict[str, str]) -> None:
     folder = tmp_path / "checkpoints"
-    spec = RunSpec(steps=6, batch_size=4, strategy={"checkpoint_mode": "async"}, timeout_seconds=20,
-                   model_checkpoint={"dirpath": str(folder), "every_n_train_steps": 2, "save_top_k": -1})
+    spec = RunSpec(steps=6, batch_size=4,
+                   trainer=TrainerSpec(strategy={"checkpoint_mode": "async"}, timeout_seconds=20),
+                   checkpoints=CheckpointSpec(model_checkpoint={"dirpath": str(folder), "every_n_train_steps": 2,
+                                                                "save_top_k": -1}))
     with pytest.raises(AssertionError, match="SIGKILL|Signals.SIGKILL|-9"):
         # Rank 1 dies inside its shard write of the step-4 save, which runs in the background.
-        launch(2, replace(spec, kill_during_save={"rank": 1, "save": 2}), tmp_path / "killed", test_env)
+        launch(2, spec.with_(drills={"kill_during_save": {"rank": 1, "save": 2}}), tmp_path / "killed", test_env)
     assert _complete(folder) == ["epoch=0-step=2.ckpt"]
     assert not (folder / "epoch=0-step=4.ckpt").exists(), "a partial save must never carry a checkpoint name"
-    resumed = launch(2, replace(spec, steps=4, strategy={"checkpoint_mode": "async", "auto_resume": True}),
+    resumed = launch(2, spec.with_(steps=4, trainer={"strategy": {"checkpoint_mode": "async", "auto_resume": True}}),
                      tmp_path / "resumed", test_env)
     assert [step["step"] for step in resumed[0]["steps"]] == [3, 4]
     assert _complete(folder) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
@@ -90,8 +93,10 @@ def test_a_full_disk_fails_the_save_with_the_numbers_and_publishes_nothing(disk_
     # Saves at steps 2 and 4; from the second on the disk is full: reported before staging ("before"), or by the
     # shard write of a background save, which the run's end waits for ("while").
     folder = tmp_path / "checkpoints"
-    spec = RunSpec(steps=4, batch_size=4, strategy={"checkpoint_mode": mode}, disk_full=disk_full,
-                   model_checkpoint={"dirpath": str(folder), "every_n_train_steps": 2, "save_top_k": -1})
+    spec = RunSpec(steps=4, batch_size=4, trainer=TrainerSpec(strategy={"checkpoint_mode": mode}),
+                   drills=DrillSpec(disk_full=disk_full),
+                   checkpoints=CheckpointSpec(model_checkpoint={"dirpath": str(folder), "every_n_train_steps": 2,
+                                                                "save_top_k": -1}))
     with pytest.raises(AssertionError, match="failed") as failure:
         launch(1, spec, tmp_path / "run", test_env)
     previous = folder / "epoch=0-step=2.ckpt"
@@ -141,7 +146,8 @@ def test_the_background_writer_process_logs_no_info_lines(tmp_path: Path, test_e
 def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> Path:
     out = tmp_path_factory.mktemp("one_rank")
     checkpoint = out / "step2.ckpt"
-    launch(1, RunSpec(steps=2, batch_size=4, save_at=2, save_path=str(checkpoint)), out, test_env)
+    launch(1, RunSpec(steps=2, batch_size=4, checkpoints=CheckpointSpec(save_at=2, save_path=str(checkpoint))), out,
+           test_env)
     return checkpoint
 
 
@@ -173,7 +179,8 @@ def test_resuming_from_a_damaged_checkpoint_fails_before_loading(saved_checkpoin
                                                                   test_env: dict[str, str]) -> None:
     damaged, message = _damage(saved_checkpoint, "flip_a_byte", tmp_path)
     with pytest.raises(AssertionError, match=rf"rank0: CorruptCheckpointError: {damaged} is damaged: {message}"):
-        launch(1, RunSpec(steps=3, batch_size=4, resume_from=str(damaged)), tmp_path / "resumed", test_env)
+        launch(1, RunSpec(steps=3, batch_size=4, checkpoints=CheckpointSpec(resume_from=str(damaged))),
+               tmp_path / "resumed", test_env)
 
 
 @pytest.mark.multiprocess
@@ -197,11 +204,11 @@ def test_a_per_rank_loader_position_on_more_data_parallel_ranks_fails_clearly_on
         tmp_path: Path, test_env: dict[str, str]) -> None:
     # A user's stream saved a position for each of 2 data-parallel ranks; ranks 2 and 3 have none, and none can
     # be derived. All 4 must stop with the same error (none may wait in a collective for the others).
-    spec = RunSpec(steps=2, batch_size=2, data="rank_stream")
+    spec = RunSpec(steps=2, batch_size=2, data=DataSpec(kind="rank_stream"))
     checkpoint = tmp_path / "dp2.ckpt"
-    launch(2, replace(spec, save_at=2, save_path=str(checkpoint)), tmp_path / "dp2", test_env)
+    launch(2, spec.with_(checkpoints={"save_at": 2, "save_path": str(checkpoint)}), tmp_path / "dp2", test_env)
     with pytest.raises(AssertionError) as failure:
-        launch(4, replace(spec, steps=3, resume_from=str(checkpoint)), tmp_path / "dp4", test_env)
+        launch(4, spec.with_(steps=3, checkpoints={"resume_from": str(checkpoint)}), tmp_path / "dp4", test_env)
     for rank in range(4):
         assert f"\nrank{rank}: ValueError: {checkpoint} holds dataloader positions for 2 data-parallel ranks, " \
                "but this run has 4, and the loader's position is per rank" in str(failure.value)

@@ -7,7 +7,6 @@ back to whole sequences) and hook counts must match the single process.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.conftest import launch, one_rank_mesh
-from tests.parity import (
+from tests.support.parity import (
     BASE_RUN,
     FULL_RUN,
     GLOBAL_BATCH,
@@ -30,7 +29,7 @@ from tests.parity import (
     assert_resume_continues,
     series,
 )
-from tests.run_spec import RunSpec
+from tests.support.run_spec import DataSpec, RunSpec, TrainerSpec
 from titan_strategy.parallelize.context_parallel import (
     SequenceSharder,
     apply_cp,
@@ -41,7 +40,7 @@ from titan_strategy.parallelize.context_parallel import (
 from titan_strategy.plan import ContextParallelPlan
 
 # Plain causal attention: what runs as ring attention (block-causal attention gathers keys and values).
-CAUSAL_FULL_RUN = replace(FULL_RUN, documents=False, attention_mask="causal")
+CAUSAL_FULL_RUN = FULL_RUN.with_(data={"documents": False}, model={"attention_mask": "causal"})
 
 
 @pytest.fixture()
@@ -69,7 +68,7 @@ def test_matches_single_process(nproc: int, batch_ranks: int, strategy: dict, ru
                                 reference_run: ReferenceRun, tmp_path: Path, test_env: dict[str, str]) -> None:
     # A cold inductor cache makes the compiled run's first step slow on every rank.
     timeout = 300 if strategy.get("compile") else 60
-    spec = replace(run, batch_size=GLOBAL_BATCH // batch_ranks, strategy=strategy, timeout_seconds=timeout)
+    spec = run.with_(batch_size=GLOBAL_BATCH // batch_ranks, trainer={"strategy": strategy, "timeout_seconds": timeout})
     assert_full_run_matches(launch(nproc, spec, tmp_path, test_env), reference_run(run))
 
 
@@ -80,7 +79,7 @@ def test_4d_pp2_dp2_cp2_tp2_matches_single_process(single_process: Record, tmp_p
     strategy = _cp(2, tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="1F1B")
     # 16 processes on a 2-core CI machine: the launch alone took 190 s of the default 240 once, and failed
     # once in a full run; a hang still ends the test.
-    spec = replace(BASE_RUN, batch_size=GLOBAL_BATCH // 2, strategy=strategy, timeout_seconds=300)
+    spec = BASE_RUN.with_(batch_size=GLOBAL_BATCH // 2, trainer={"strategy": strategy, "timeout_seconds": 300})
     records = launch(16, spec, tmp_path, test_env, timeout_s=480)
     for key in ("train_loss", "grad_norm"):
         assert_identical_on_all_ranks(records, key)
@@ -95,11 +94,13 @@ def test_4d_pp2_dp2_cp2_tp2_matches_single_process(single_process: Record, tmp_p
 def test_checkpoint_resumes_with_or_without_cp(saved: tuple[int, dict], resumed: tuple[int, dict], tmp_path: Path,
                                                test_env: dict[str, str]) -> None:
     # 24 samples of batch 8: step 3 ends an epoch, where Lightning resumes map-style data exactly.
-    spec = RunSpec(steps=6, clip=1.0, batch_size=GLOBAL_BATCH, samples=24)
+    spec = RunSpec(steps=6, trainer=TrainerSpec(clip=1.0), batch_size=GLOBAL_BATCH, data=DataSpec(samples=24))
     checkpoint = tmp_path / "step3.ckpt"
-    original = launch(saved[0], replace(spec, strategy=saved[1], save_at=3, save_path=str(checkpoint)),
+    original = launch(saved[0], spec.with_(trainer={"strategy": saved[1]},
+                                           checkpoints={"save_at": 3, "save_path": str(checkpoint)}),
                       tmp_path / "saved", test_env)
-    continued = launch(resumed[0], replace(spec, strategy=resumed[1], resume_from=str(checkpoint)),
+    continued = launch(resumed[0], spec.with_(trainer={"strategy": resumed[1]},
+                                              checkpoints={"resume_from": str(checkpoint)}),
                        tmp_path / "resumed", test_env)
     assert_resume_continues(original, continued, saved_at=3, steps=6)
 
@@ -108,7 +109,8 @@ def test_checkpoint_resumes_with_or_without_cp(saved: tuple[int, dict], resumed:
 def test_indivisible_sequence_fails_on_every_rank_before_the_first_forward(tmp_path: Path,
                                                                           test_env: dict[str, str]) -> None:
     with pytest.raises(AssertionError) as failure:
-        launch(2, RunSpec(steps=2, batch_size=4, seq_len=30, strategy=_cp(2)), tmp_path, test_env)
+        launch(2, RunSpec(steps=2, batch_size=4, data=DataSpec(seq_len=30), trainer=TrainerSpec(strategy=_cp(2))),
+               tmp_path, test_env)
     for rank in (0, 1):
         assert (f"\nrank{rank}: ValueError: Context parallelism splits each sequence into 2 x context_parallel_size=2 "
                 "chunks, but the batch has seq_len=30; use a seq_len divisible by 4.") in str(failure.value)

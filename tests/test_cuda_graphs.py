@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import re
 import threading
+import types
 from collections.abc import Generator
 from dataclasses import replace
 from datetime import timedelta
@@ -23,13 +24,13 @@ from torch.distributed.tensor import DTensor
 
 from llama_module import LlamaModule
 from tests.conftest import launch, one_rank_mesh
-from tests.parity import series
-from tests.run_spec import RunSpec
-from tests.train_worker import TINY
+from tests.support.parity import series
+from tests.support.run_spec import DataSpec, RunSpec, TrainerSpec
+from tests.support.train_worker import TINY
 from titan_strategy import TitanStrategy
 from titan_strategy.config import TitanConfig
-from titan_strategy.mesh import ParallelDims
-from titan_strategy.parallelize import _resolve_units
+from titan_strategy.config.mesh import ParallelDims
+from titan_strategy.parallelize.apply import _resolve_units
 from titan_strategy.parallelize.cuda_graph import (
     CaptureSchedule,
     _digest,
@@ -39,6 +40,7 @@ from titan_strategy.parallelize.cuda_graph import (
     apply_cuda_graphs,
 )
 from titan_strategy.parallelize.fsdp import apply_fsdp, no_gradient_sync
+from titan_strategy.runtime import ParallelRuntime
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SEQ_LEN = 32
@@ -215,11 +217,12 @@ def test_lightning_trains_the_same_with_cuda_graphs(devices: int, tmp_path: Path
     # validation within each epoch, and 22 samples a rank in batches of 4: every sixth batch is a short one, at the
     # end of each epoch, which replays padded (the Llama plan declares short_batch_padding). A hang fails the launch
     # at its timeout.
-    spec = RunSpec(steps=8, batch_size=4, samples=22 * devices, accumulate=2, clip=1.0, validate=True, val_every=4,
-                   accelerator="cuda", precision="bf16-mixed", timeout_seconds=120, strategy={"compile": True})
+    spec = RunSpec(steps=8, batch_size=4, accelerator="cuda", data=DataSpec(samples=22 * devices),
+                   trainer=TrainerSpec(accumulate=2, clip=1.0, validate=True, val_every=4, precision="bf16-mixed",
+                                       timeout_seconds=120, strategy={"compile": True}))
     eager = launch(devices, spec, tmp_path / "eager", test_env, timeout_s=150)
-    graphed = launch(devices, replace(spec, strategy={"compile": True, "cuda_graphs": True}), tmp_path / "graphed",
-                     test_env, timeout_s=150)
+    graphed = launch(devices, spec.with_(trainer={"strategy": {"compile": True, "cuda_graphs": True}}),
+                     tmp_path / "graphed", test_env, timeout_s=150)
     for ours, theirs in zip(graphed, eager):
         assert ours["graph_replays"] == 16 - 2  # 16 batches (2 of them short, padded), 2 eager warm-ups
         assert ours["graphs_released"]  # before the process group went (captured collectives hold it)
@@ -239,9 +242,9 @@ def test_the_knob_is_refused_where_it_cannot_run() -> None:
                         (ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2), "pipeline_parallel_size")):
         with pytest.raises(ValueError, match=f"'{named}': 2.*Set cuda_graphs=False, or parallelize with data "
                                              "parallelism only"):
-            strategy.config.compile.check_layout(dims)
+            strategy.config.cuda_graphs.check_layout(dims)
     for dp_replicate, dp_shard in ((1, 1), (1, 8), (2, 4)):  # one device, FSDP2, HSDP
-        strategy.config.compile.check_layout(ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=1,
+        strategy.config.cuda_graphs.check_layout(ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=1,
                                                           pp=1))
 
     with pytest.raises(ValueError, match="fault_tolerance='torchft' decides it on the host every step.*"
@@ -262,10 +265,12 @@ def test_the_knob_is_refused_where_it_cannot_run() -> None:
 def test_accumulation_windows_reduce_scatter_every_backward_under_graphs() -> None:
     # A replayed backward reduce-scatters as its capture did, so the strategy must not hold FSDP2's reduce-scatter
     # back within a window (an eager warm-up's held-back gradients would wait for an eager backward).
-    for cuda_graphs, held_back in ((False, True), (True, False)):
-        strategy = TitanStrategy(cuda_graphs=cuda_graphs)
-        strategy._lightning_module = L.LightningModule()
-        with mock.patch("titan_strategy.strategy.no_gradient_sync") as hold_back, strategy.block_backward_sync():
+    # The runtime decides, from whether its model was graphed (apply_cuda_graphs wraps it where cuda_graphs=True).
+    runtime = types.SimpleNamespace(plan=types.SimpleNamespace(model=torch.nn.Linear(1, 1)))
+    for graphed, held_back in ((None, True), (mock.Mock(), False)):
+        with (mock.patch("titan_strategy.runtime.graphed_call", return_value=graphed),
+              mock.patch("titan_strategy.runtime.no_gradient_sync") as hold_back,
+              ParallelRuntime.gradient_sync_held_back(runtime, L.LightningModule())):
             pass
         assert hold_back.called == held_back
 

@@ -8,7 +8,6 @@ import json
 import math
 import shutil
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +15,14 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, launch, run_command
-from tests.parity import Record
-from tests.run_spec import RunSpec
+from tests.support.parity import Record
+from tests.support.run_spec import DataSpec, RunSpec, TrainerSpec
 
 pytestmark = pytest.mark.multiprocess
 
 # 32 samples at a global batch of 8: an epoch is 4 batches, so 8 steps cross one epoch boundary.
-DP2 = RunSpec(steps=8, batch_size=4, samples=32, clip=1.0, record_sample_ids=True, padded_labels=True,
-              strategy={"data_parallel_shard_size": 2})
+DP2 = RunSpec(steps=8, batch_size=4, data=DataSpec(samples=32, record_sample_ids=True, padded_labels=True),
+              trainer=TrainerSpec(clip=1.0, strategy={"data_parallel_shard_size": 2}))
 SAME_LAYOUT_RTOL = 1e-6
 OTHER_LAYOUT_RTOL = 2e-5
 
@@ -55,36 +54,39 @@ def _assert_each_epoch_sees_every_sample_once(records: list[Record], samples: in
 
 
 def test_epoch_end_and_mid_epoch_checkpoints_resume_exactly(tmp_path: Path, test_env: dict[str, str]) -> None:
-    at_epoch_end = replace(DP2, model_checkpoint=_checkpoints({"every_n_epochs": 1}, tmp_path / "epochs"))
+    epochs = _checkpoints({"every_n_epochs": 1}, tmp_path / "epochs")
+    at_epoch_end = DP2.with_(checkpoints={"model_checkpoint": epochs})
     full = launch(2, at_epoch_end, tmp_path / "epochs", test_env)
-    _assert_each_epoch_sees_every_sample_once(full, DP2.samples)
-    resumed = launch(2, replace(DP2, resume_from=str(tmp_path / "epochs/checkpoints/step=4.ckpt")),
+    _assert_each_epoch_sees_every_sample_once(full, DP2.data.samples)
+    resumed = launch(2, DP2.with_(checkpoints={"resume_from": str(tmp_path / "epochs/checkpoints/step=4.ckpt")}),
                      tmp_path / "epochs_resumed", test_env)
     _assert_resumed_tail(full, resumed, batches_after=4, rtol=SAME_LAYOUT_RTOL)
 
     # Accumulating 2 batches a step: step 3 is batch 6 of the epoch's 8.
-    accumulating = replace(DP2, samples=64, accumulate=2)
-    full = launch(2, replace(accumulating, model_checkpoint=_checkpoints({"every_n_train_steps": 3},
-                                                                         tmp_path / "steps")),
+    accumulating = DP2.with_(data={"samples": 64}, trainer={"accumulate": 2})
+    full = launch(2, accumulating.with_(checkpoints={"model_checkpoint": _checkpoints({"every_n_train_steps": 3},
+                                                                                       tmp_path / "steps")}),
                   tmp_path / "steps", test_env)
     _assert_each_epoch_sees_every_sample_once(full, 64)
-    resumed = launch(2, replace(accumulating, resume_from=str(tmp_path / "steps/checkpoints/step=3.ckpt")),
+    resume_from = str(tmp_path / "steps/checkpoints/step=3.ckpt")
+    resumed = launch(2, accumulating.with_(checkpoints={"resume_from": resume_from}),
                      tmp_path / "steps_resumed", test_env)
     _assert_resumed_tail(full, resumed, batches_after=10, rtol=SAME_LAYOUT_RTOL)
 
 
 def _layout(dp: int, batch_size: int, **strategy: Any) -> dict[str, Any]:
-    return {"batch_size": batch_size, "strategy": {"data_parallel_shard_size": dp, **strategy}}
+    """``RunSpec.with_``'s changes for the layout."""
+    return {"batch_size": batch_size, "trainer": {"strategy": {"data_parallel_shard_size": dp, **strategy}}}
 
 
 @pytest.fixture(scope="module")
 def saved_runs(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> dict[str, Any]:
     """A dp2 run checkpointed at its first epoch's end (step 4), a dp4 run mid-epoch (step 3)."""
     out = tmp_path_factory.mktemp("elastic")
-    dp2 = launch(2, replace(DP2, model_checkpoint=_checkpoints({"every_n_epochs": 1}, out / "dp2")), out / "dp2",
-                 test_env)
-    dp4 = launch(4, replace(DP2, **_layout(4, 2), model_checkpoint=_checkpoints({"every_n_train_steps": 3},
-                                                                                    out / "dp4")),
+    dp2 = launch(2, DP2.with_(checkpoints={"model_checkpoint": _checkpoints({"every_n_epochs": 1}, out / "dp2")}),
+                 out / "dp2", test_env)
+    dp4 = launch(4, DP2.with_(**_layout(4, 2), checkpoints={
+                     "model_checkpoint": _checkpoints({"every_n_train_steps": 3}, out / "dp4")}),
                  out / "dp4", test_env)
     return {"dp2": (dp2, out / "dp2/checkpoints/step=4.ckpt", 4), "dp4": (dp4, out / "dp4/checkpoints/step=3.ckpt", 5)}
 
@@ -99,10 +101,10 @@ def test_another_data_parallel_layout_continues_with_the_same_samples(saved: str
                                                                        saved_runs: dict[str, Any], tmp_path: Path,
                                                                        test_env: dict[str, str]) -> None:
     full, checkpoint, batches_after = saved_runs[saved]
-    degrees = layout["strategy"]
+    degrees = layout["trainer"]["strategy"]
     processes = math.prod(degrees.get(name, 1) for name in ("data_parallel_shard_size", "tensor_parallel_size",
                                                             "pipeline_parallel_size"))
-    resumed = launch(processes, replace(DP2, **layout, resume_from=str(checkpoint)), tmp_path, test_env)
+    resumed = launch(processes, DP2.with_(**layout, checkpoints={"resume_from": str(checkpoint)}), tmp_path, test_env)
     _assert_resumed_tail(full, resumed, batches_after=batches_after, rtol=OTHER_LAYOUT_RTOL)
 
 
@@ -111,7 +113,7 @@ def test_a_position_that_is_no_whole_number_of_global_batches_fails_on_every_ran
     _, checkpoint, _ = saved_runs["dp4"]  # 24 samples in: 2 ranks x 5 do not divide it
     before = sorted(p.name for p in checkpoint.parent.iterdir())
     with pytest.raises(AssertionError) as failure:
-        launch(2, replace(DP2, batch_size=5, resume_from=str(checkpoint)), tmp_path, test_env)
+        launch(2, DP2.with_(batch_size=5, checkpoints={"resume_from": str(checkpoint)}), tmp_path, test_env)
     for rank in (0, 1):
         assert (f"\nrank{rank}: ValueError: The checkpoint stopped after 24 samples of epoch 0, not a whole number "
                 "of this run's global batches of 10 samples (2 ranks x 5") in str(failure.value)
@@ -124,12 +126,12 @@ def test_a_position_that_is_no_whole_number_of_global_batches_fails_on_every_ran
 def _titan_fit(out: Path, test_env: dict[str, str], batch_size: int, *, resume_from: Path | None = None,
                **strategy: int) -> list[Record]:
     """configs/debug.yaml for 6 steps of ``batch_size`` 32-token windows per data-parallel rank, checkpointed at
-    step 3, each batch's loss and window ids logged (tests/batch_log.py)."""
+    step 3, each batch's loss and window ids logged (tests/support/batch_log.py)."""
     config = yaml.safe_load((REPO / "configs" / "debug.yaml").read_text())
     processes = math.prod(strategy.values())
     config["trainer"].update(devices=processes, max_steps=6, limit_val_batches=0, logger=False,
                              enable_progress_bar=False, default_root_dir=str(out), callbacks=[
-                                 {"class_path": "tests.batch_log.BatchLog", "init_args": {"out_dir": str(out)}},
+                                 {"class_path": "tests.support.batch_log.BatchLog", "init_args": {"out_dir": str(out)}},
                                  {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                                   "init_args": _checkpoints({"every_n_train_steps": 3}, out)}])
     config["trainer"]["strategy"]["init_args"] = {"data_parallel_shard_size": 1, **strategy}

@@ -18,7 +18,7 @@ from llama_module.args import LlamaConfig
 from llama_module.data import packed_window
 from llama_module.model import Llama
 from tests.conftest import launch
-from tests.run_spec import RunSpec
+from tests.support.run_spec import DataSpec, ModelSpec, RunSpec
 from titan_strategy.parallelize.activation_checkpoint import apply_ac
 from titan_strategy.parallelize.compile import apply_compile
 from titan_strategy.token_loss import token_cross_entropy
@@ -156,7 +156,8 @@ def test_a_trainer_refuses_mismatched_document_ids_before_the_first_step(tmp_pat
 
 @pytest.mark.multiprocess
 def test_flex_is_refused_on_cpu_before_the_model_exists(tmp_path: Path, test_env: dict[str, str]) -> None:
-    spec = RunSpec(steps=1, batch_size=2, attention_kernel="flex", attention_mask="block_causal", documents=True)
+    spec = RunSpec(steps=1, batch_size=2, model=ModelSpec(attention_kernel="flex", attention_mask="block_causal"),
+                   data=DataSpec(documents=True))
     with pytest.raises(AssertionError, match=r"attention_kernel='flex' trains on CUDA only: torch has no "
                                              r"FlexAttention backward on CPU\. Use attention_kernel='sdpa'"):
         launch(1, spec, tmp_path, test_env)

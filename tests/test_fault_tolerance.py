@@ -3,7 +3,6 @@ killed under ``torchrun --max-restarts`` is restarted, auto-resumes and replays 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import re
@@ -14,21 +13,20 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import LAUNCH_TIMEOUT_S, REPO, free_port, launch
-from tests.parity import BASE_RUN, GLOBAL_BATCH, STEPS, ReferenceRun, series
-from tests.run_spec import RunSpec
+from tests.support.parity import BASE_RUN, GLOBAL_BATCH, STEPS, ReferenceRun, series
+from tests.support.run_spec import RunSpec
 from titan_strategy.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = REPO / "tests" / "train_worker.py"
+WORKER = REPO / "tests" / "support" / "train_worker.py"
 REPLAY_RTOL = 1e-6
 
 
 def _two_rank_run(folder: Path, every_n_steps: int, mode: str) -> RunSpec:
-    return dataclasses.replace(BASE_RUN, batch_size=GLOBAL_BATCH // 2, timeout_seconds=20,
-                               strategy={"checkpoint_mode": mode, "auto_resume": True},
-                               model_checkpoint={"dirpath": str(folder), "every_n_train_steps": every_n_steps,
-                                                 "save_top_k": -1})
+    saves = {"dirpath": str(folder), "every_n_train_steps": every_n_steps, "save_top_k": -1}
+    return BASE_RUN.with_(batch_size=GLOBAL_BATCH // 2, checkpoints={"model_checkpoint": saves},
+                          trainer={"timeout_seconds": 20, "strategy": {"checkpoint_mode": mode, "auto_resume": True}})
 
 
 def _assert_replays(losses: list[float], single_process: list[float], first_step: int) -> None:
@@ -47,7 +45,7 @@ def test_sigterm_saves_the_current_step_and_a_relaunch_continues_exactly(referen
     folder = tmp_path / "checkpoints"
     spec = _two_rank_run(folder, every_n_steps=100, mode="async")  # no save but the preemption's
     with pytest.raises(AssertionError, match=f"exitcode {PREEMPTED_EXIT_CODE}"):
-        launch(2, dataclasses.replace(spec, interrupt={"ranks": [0, 1], "step": 4, "signal": "SIGTERM"}),
+        launch(2, spec.with_(drills={"interrupt": {"ranks": [0, 1], "step": 4, "signal": "SIGTERM"}}),
                tmp_path / "preempted", test_env)
     assert _complete(folder) == ["preempted-epoch=0-step=4.ckpt"]
     assert not [path for path in folder.iterdir() if path.name.endswith(".partial")]
@@ -64,10 +62,10 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_replays_exactly(reference_r
     # 3's is published, so a checkpoint exists (an earlier kill may find step 3's save still in flight).
     killed_at = random.Random().randint(7, STEPS - 1)
     folder = tmp_path / "checkpoints"
-    spec = dataclasses.replace(_two_rank_run(folder, every_n_steps=3, mode="async"),
-                               interrupt={"ranks": [1], "step": killed_at, "signal": "SIGKILL"})
+    spec = _two_rank_run(folder, every_n_steps=3, mode="async").with_(
+        drills={"interrupt": {"ranks": [1], "step": killed_at, "signal": "SIGKILL"}})
     spec_file = tmp_path / "spec.json"
-    spec_file.write_text(dataclasses.replace(spec, devices=2).to_json())
+    spec_file.write_text(spec.with_(devices=2).to_json())
     agent = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "2",
@@ -94,7 +92,7 @@ import atexit
 import torch, torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 from titan_strategy.distributed import DistributedConfig, build_process_groups, init_default_group
-from titan_strategy.mesh import ParallelDims
+from titan_strategy.config.mesh import ParallelDims
 
 # atexit runs the last registered first: this reports after every handler the strategy registers.
 atexit.register(lambda: print("process groups at exit:", dist.is_initialized(), flush=True))

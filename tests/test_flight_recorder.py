@@ -11,7 +11,6 @@ import pickle
 import signal
 import threading
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,14 @@ import pytest
 import torch
 
 from tests.conftest import launch
-from tests.parity import (
+from tests.support.parity import (
     BASE_RUN,
     GLOBAL_BATCH,
     ReferenceRun,
     assert_close_per_step,
     series,
 )
-from tests.run_spec import RunSpec
+from tests.support.run_spec import CallbackSpec, DrillSpec, RunSpec, TrainerSpec
 from titan_strategy import FlightRecorder
 from titan_strategy.flight_recorder.analyze import (
     diagnose,
@@ -48,8 +47,9 @@ DRILL_TIMEOUT_S = 6  # the steady-state timeout the drills run with: a stuck ran
 
 def _drill(nproc: int, strategy: dict[str, Any], drill: dict[str, Any], out: Path, env: dict[str, str]) -> Path:
     """Run a sabotaged training job that must fail within the limit; return its one run folder of dumps."""
-    spec = RunSpec(steps=6, batch_size=GLOBAL_BATCH // nproc, clip=1.0, strategy=strategy, drill=drill,
-                   flight_recorder={"timeout_s": DRILL_TIMEOUT_S, "dump_dir": str(out / "fr")})
+    spec = RunSpec(steps=6, batch_size=GLOBAL_BATCH // nproc, trainer=TrainerSpec(clip=1.0, strategy=strategy),
+                   drills=DrillSpec(hang=drill),
+                   callbacks=CallbackSpec(flight_recorder={"timeout_s": DRILL_TIMEOUT_S, "dump_dir": str(out / "fr")}))
     with pytest.raises(AssertionError, match="failed"):
         launch(nproc, spec, out, env, timeout_s=DRILL_LIMIT_S)
     [run] = dump_dirs(out / "fr")
@@ -103,7 +103,7 @@ def test_a_clean_run_dumps_nothing_and_trains_the_same(reference_run: ReferenceR
                                                        test_env: dict[str, str]) -> None:
     # Pipeline parallel: the gloo send/receive recording is in the path of every step.
     single_process = reference_run(BASE_RUN)
-    spec = replace(BASE_RUN, strategy={"pipeline_parallel_size": 2, "flight_recorder": True})
+    spec = BASE_RUN.with_(trainer={"strategy": {"pipeline_parallel_size": 2, "flight_recorder": True}})
     records = launch(2, spec, tmp_path, test_env)
     assert all("FlightRecorder" in record["callbacks"] for record in records)  # the knob added one
     assert not (tmp_path / "flight_recorder").exists()
@@ -118,9 +118,9 @@ def test_a_signal_dumps_on_demand_and_training_goes_on(accelerator: str, tmp_pat
     if accelerator == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU (NCCL's trace)")
     nproc = 2 if accelerator == "cpu" else 1
-    spec = RunSpec(steps=5, batch_size=GLOBAL_BATCH // nproc, accelerator=accelerator, strategy={},
-                   flight_recorder={"dump_dir": str(tmp_path / "fr")},
-                   drill={"rank": 0, "step": 3, "signal": "SIGUSR2"})
+    spec = RunSpec(steps=5, batch_size=GLOBAL_BATCH // nproc, accelerator=accelerator, trainer=TrainerSpec(strategy={}),
+                   callbacks=CallbackSpec(flight_recorder={"dump_dir": str(tmp_path / "fr")}),
+                   drills=DrillSpec(hang={"rank": 0, "step": 3, "signal": "SIGUSR2"}))
     records = launch(nproc, spec, tmp_path, test_env)
     assert all(record["global_step"] == 5 for record in records)
     [run] = dump_dirs(tmp_path / "fr")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,8 @@ from torch.distributed.fsdp import fully_shard
 
 from llama_module import Llama, LlamaConfig
 from tests.conftest import launch, one_rank_mesh
-from tests.parity import ReferenceRun, series
-from tests.run_spec import RunSpec
+from tests.support.parity import ReferenceRun, series
+from tests.support.run_spec import RunSpec, TrainerSpec
 from titan_strategy.parallelize.cuda_graph import _address
 from titan_strategy.parallelize.float8 import apply_float8, precompute_float8_scales
 
@@ -73,9 +72,11 @@ def _float8_gpu() -> bool:
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_trains_like_bf16_on_cuda(recipe: str, tmp_path: Path, test_env: dict[str, str],
                                          reference_run: ReferenceRun) -> None:
-    spec = RunSpec(steps=10, batch_size=8, clip=1.0, accelerator="cuda", precision="bf16-mixed", timeout_seconds=300)
-    bf16 = reference_run(replace(spec, strategy={"compile": True}))
-    float8 = launch(1, replace(spec, strategy={"compile": True, "float8": recipe}), tmp_path / recipe, test_env)[0]
+    spec = RunSpec(steps=10, batch_size=8, accelerator="cuda",
+                   trainer=TrainerSpec(clip=1.0, precision="bf16-mixed", timeout_seconds=300))
+    bf16 = reference_run(spec.with_(trainer={"strategy": {"compile": True}}))
+    float8 = launch(1, spec.with_(trainer={"strategy": {"compile": True, "float8": recipe}}), tmp_path / recipe,
+                    test_env)[0]
     bf16_loss, float8_loss = series(bf16, "train_loss"), series(float8, "train_loss")
     assert float8_loss != bf16_loss  # float8 matmuls really ran
     assert float8_loss[-1] < float8_loss[0] - 0.3, float8_loss
@@ -96,11 +97,12 @@ def test_float8_with_tensor_parallel_matches_one_process(recipe: str, devices: i
     # On CPU, where torchao's float8 matmuls also run: TP and FSDP must not change what float8 computes. The
     # global batch is the same (8 sequences per data-parallel rank, 2 ranks under FSDP x TP).
     dp = devices // strategy["tensor_parallel_size"]
-    spec = RunSpec(steps=4, batch_size=8 * dp, clip=1.0, float8_on_cpu=True, timeout_seconds=120)
-    one = reference_run(replace(spec, strategy={"float8": recipe}))
+    spec = RunSpec(steps=4, batch_size=8 * dp, trainer=TrainerSpec(clip=1.0, float8_on_cpu=True, timeout_seconds=120))
+    one = reference_run(spec.with_(trainer={"strategy": {"float8": recipe}}))
     # TritonAdamW updates the sharded runs (torch's ops on CPU, through the DTensor shards and, under FSDP,
     # torchao's float8 weight wrappers); the one-process run keeps torch's foreach AdamW.
-    many = launch(devices, replace(spec, batch_size=8, adamw="triton", strategy={**strategy, "float8": recipe}),
+    many = launch(devices, spec.with_(batch_size=8, model={"adamw": "triton"},
+                                      trainer={"strategy": {**strategy, "float8": recipe}}),
                   tmp_path / "many", test_env)
     bf16 = reference_run(spec)
     one_loss = series(one, "train_loss")

@@ -13,9 +13,9 @@ from llama_module import Llama, LlamaConfig
 from llama_module.hf import config_from_hf, hf_config
 from llama_module.hf_cli import main as titan_hf
 from tests.conftest import launch
-from tests.parity import GLOBAL_BATCH, RTOL
-from tests.run_spec import RunSpec
-from tests.train_worker import TINY, AffineSequences
+from tests.support.parity import GLOBAL_BATCH, RTOL
+from tests.support.run_spec import CheckpointSpec, RunSpec, TrainerSpec
+from tests.support.train_worker import TINY, AffineSequences
 from titan_strategy.checkpoint import read_hyper_parameters, read_model_weights
 
 transformers = pytest.importorskip("transformers")
@@ -39,8 +39,9 @@ def _tokens() -> torch.Tensor:
 def test_export_of_a_sharded_checkpoint_gives_the_same_logits_in_transformers(tmp_path: Path,
                                                                              test_env: dict[str, str]) -> None:
     checkpoint = tmp_path / "step3.ckpt"
-    spec = RunSpec(steps=3, batch_size=GLOBAL_BATCH // 2, save_at=3, save_path=str(checkpoint),
-                   strategy={"tensor_parallel_size": 2})  # fsdp2 x tp2: every weight is sharded
+    spec = RunSpec(steps=3, batch_size=GLOBAL_BATCH // 2,
+                   checkpoints=CheckpointSpec(save_at=3, save_path=str(checkpoint)),
+                   trainer=TrainerSpec(strategy={"tensor_parallel_size": 2}))  # fsdp2 x tp2: every weight is sharded
     launch(4, spec, tmp_path / "run", test_env)
     titan_hf(["export", str(checkpoint), str(tmp_path / "hf"), "--dtype", "float32"])
     ours = _llama_from(read_model_weights(checkpoint), TINY)
@@ -82,7 +83,7 @@ def test_import_gives_the_same_logits_and_trains_from_them_under_fsdp_x_tp(hf_ll
                                                        batch["labels"].flatten())
     # The first logged loss comes from the imported weights, sharded over fsdp2 x tp2.
     spec = RunSpec(steps=2, batch_size=GLOBAL_BATCH // 2,
-                   strategy={"tensor_parallel_size": 2, "initial_weights": str(checkpoint)})
+                   trainer=TrainerSpec(strategy={"tensor_parallel_size": 2, "initial_weights": str(checkpoint)}))
     records = launch(4, spec, tmp_path / "run", test_env)
     assert records[0]["steps"][0]["train_loss"] == pytest.approx(float(first_loss), rel=RTOL)
 

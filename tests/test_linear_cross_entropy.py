@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from llama_module import LlamaModule
-from tests.train_worker import TINY
+from tests.support.train_worker import TINY
 from titan_strategy.kernels import linear_cross_entropy
 
 pytestmark = pytest.mark.unit

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.conftest import DEVICES, launch
-from tests.parity import ReferenceRun, assert_resume_continues, series
-from tests.run_spec import RunSpec
+from tests.support.parity import ReferenceRun, assert_resume_continues, series
+from tests.support.run_spec import ModelSpec, RunSpec, TrainerSpec
 from titan_strategy.kernels import adamw
 from titan_strategy.kernels.adamw import TritonAdamW
 from titan_strategy.master_weights import hold_master_weights
@@ -115,15 +114,16 @@ def _assert_within(actual: list[float], expected: list[float], rtol: float) -> N
         assert abs(a - e) <= rtol * abs(e), f"step {step}: {a} vs {e} (rel {abs(a - e) / abs(e):.2e})"
 
 
-BF16_TRITON = RunSpec(steps=10, batch_size=8, clip=1.0, precision="bf16-mixed", adamw="triton")
+BF16_TRITON = RunSpec(steps=10, batch_size=8, trainer=TrainerSpec(clip=1.0, precision="bf16-mixed"),
+                      model=ModelSpec(adamw="triton"))
 
 
 @pytest.mark.multiprocess
 def test_one_device_trains_like_fsdp2_mixed_precision(tmp_path: Path, test_env: dict[str, str],
                                                       reference_run: ReferenceRun) -> None:
     single = launch(1, BF16_TRITON, tmp_path / "single", test_env)[0]
-    fsdp2 = launch(2, replace(BF16_TRITON, batch_size=4), tmp_path / "fsdp2", test_env)[0]
-    autocast = reference_run(replace(BF16_TRITON, adamw="foreach"))
+    fsdp2 = launch(2, BF16_TRITON.with_(batch_size=4), tmp_path / "fsdp2", test_env)[0]
+    autocast = reference_run(BF16_TRITON.with_(model={"adamw": "foreach"}))
     assert single["param_dtypes_in_training"] == ["torch.bfloat16"]
     assert single["param_dtypes_after_fit"] == autocast["param_dtypes_in_training"] == ["torch.float32"]
     for key in ("train_loss", "grad_norm"):
@@ -136,13 +136,15 @@ def test_one_device_trains_like_fsdp2_mixed_precision(tmp_path: Path, test_env: 
 @pytest.mark.multiprocess
 def test_a_checkpoint_resumes_exactly_and_under_fsdp2(tmp_path: Path, test_env: dict[str, str]) -> None:
     # 24 samples of batch 8: step 3 ends an epoch, where Lightning resumes map-style data exactly.
-    spec = replace(BF16_TRITON, steps=6, samples=24)
+    spec = BF16_TRITON.with_(steps=6, data={"samples": 24})
     checkpoint = tmp_path / "step3.ckpt"
-    original = launch(1, replace(spec, save_at=3, save_path=str(checkpoint)), tmp_path / "saved", test_env)
-    resumed = launch(1, replace(spec, resume_from=str(checkpoint)), tmp_path / "resumed", test_env)
+    original = launch(1, spec.with_(checkpoints={"save_at": 3, "save_path": str(checkpoint)}), tmp_path / "saved",
+                      test_env)
+    resumed = launch(1, spec.with_(checkpoints={"resume_from": str(checkpoint)}), tmp_path / "resumed", test_env)
     assert_resume_continues(original, resumed, saved_at=3, steps=6)  # masters and fp32 moments came back
     # The checkpoint is a plain fp32 one: FSDP2 (no master weights) picks it up.
-    sharded = launch(2, replace(spec, batch_size=4, resume_from=str(checkpoint)), tmp_path / "fsdp2", test_env)
+    sharded = launch(2, spec.with_(batch_size=4, checkpoints={"resume_from": str(checkpoint)}), tmp_path / "fsdp2",
+                     test_env)
     after = [step for step in original[0]["steps"] if step["step"] > 3]
     _assert_within([s["train_loss"] for s in sharded[0]["steps"]], [s["train_loss"] for s in after], FSDP2_RTOL)
 
@@ -169,7 +171,7 @@ def test_held_only_where_gradients_come_from_one_backward(module_args: dict, tra
     from torch.utils.data import DataLoader
 
     from llama_module import LlamaModule
-    from tests.train_worker import TINY, AffineSequences
+    from tests.support.train_worker import TINY, AffineSequences
     from titan_strategy import TitanStrategy
 
     seen: list[tuple[set[torch.dtype], bool]] = []

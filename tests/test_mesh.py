@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from titan_strategy.mesh import ParallelDims, build_mesh
+from titan_strategy.config.mesh import ParallelDims
+from titan_strategy.mesh import build_mesh
 
 pytestmark = pytest.mark.unit
 

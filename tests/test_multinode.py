@@ -1,13 +1,12 @@
 """Several nodes through the launcher people use: two ``torchrun`` agents, one per "node", on this machine.
 
-Each agent starts 2 ranks of tests/train_worker.py; Lightning reads the TorchElastic environment (RANK,
+Each agent starts 2 ranks of tests/support/train_worker.py; Lightning reads the TorchElastic environment (RANK,
 GROUP_RANK...) and TitanStrategy builds HSDP with the replicas across the nodes and FSDP within each, as on
 a real cluster. The losses must match one process.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -16,16 +15,16 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import LAUNCH_TIMEOUT_S, REPO, free_port
-from tests.parity import BASE_RUN, GLOBAL_BATCH, ReferenceRun, assert_close_per_step, series
+from tests.support.parity import BASE_RUN, GLOBAL_BATCH, ReferenceRun, assert_close_per_step, series
 
-WORKER = REPO / "tests" / "train_worker.py"
+WORKER = REPO / "tests" / "support" / "train_worker.py"
 
 
 @pytest.mark.multiprocess
 def test_two_torchrun_nodes_train_hsdp_across_them_as_one_process(reference_run: ReferenceRun, tmp_path: Path,
                                                                  test_env: dict[str, str]) -> None:
-    spec = dataclasses.replace(BASE_RUN, batch_size=GLOBAL_BATCH // 4, devices=2, num_nodes=2,
-                               strategy={"data_parallel_replicate_size": 2})
+    spec = BASE_RUN.with_(batch_size=GLOBAL_BATCH // 4, devices=2, num_nodes=2,
+                          trainer={"strategy": {"data_parallel_replicate_size": 2}})
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(spec.to_json())
     port = free_port()

@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from tests.conftest import DEVICES
-from tests.train_worker import AffineSequences
-from tests.user_modules import VOCAB, CausalLM
+from tests.support.train_worker import AffineSequences
+from tests.support.user_modules import VOCAB, CausalLM
 from titan_strategy import TitanStrategy
 
 pytest.importorskip("transformers")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import launch
-from tests.parity import (
+from tests.support.parity import (
     BASE_RUN,
     GLOBAL_BATCH,
     RTOL,
@@ -39,8 +38,8 @@ def single_process(reference_run: ReferenceRun) -> Record:
 ], ids=["fsdp2", "fsdp4", "hsdp2x2", "fsdp2-full-ac", "fsdp2-selective-layer-ac", "fsdp2-selective-op-ac-compiled"])
 def test_loss_and_grad_norm_match_single_process(nproc: int, strategy: dict, single_process: Record, tmp_path: Path,
                                                  test_env: dict[str, str]) -> None:
-    spec = replace(BASE_RUN, batch_size=GLOBAL_BATCH // nproc, strategy=strategy,
-                   timeout_seconds=300 if strategy.get("compile") else 60)  # a cold inductor cache is slow
+    timeout = 300 if strategy.get("compile") else 60  # a cold inductor cache is slow
+    spec = BASE_RUN.with_(batch_size=GLOBAL_BATCH // nproc, trainer={"strategy": strategy, "timeout_seconds": timeout})
     records = launch(nproc, spec, tmp_path, test_env)
     assert_identical_on_all_ranks(records)
     assert_identical_on_all_ranks(records, "grad_norm")
@@ -59,9 +58,9 @@ def test_adamw_kernels_clip_by_their_grad_scale_like_a_clipping_pass(nproc: int,
                                                                      reference_run: ReferenceRun) -> None:
     # torch's fused kernel and TritonAdamW (here on FSDP2's DTensor shards) divide the gradients by the clip
     # scale as they read them; the reference run (foreach AdamW, one process) clips them in a pass of its own first.
-    spec = replace(BASE_RUN, clip=CLIP_BELOW_THE_NORMS)
+    spec = BASE_RUN.with_(trainer={"clip": CLIP_BELOW_THE_NORMS})
     reference = reference_run(spec)
-    records = launch(nproc, replace(spec, batch_size=GLOBAL_BATCH // nproc, adamw=adamw), tmp_path, test_env)
+    records = launch(nproc, spec.with_(batch_size=GLOBAL_BATCH // nproc, model={"adamw": adamw}), tmp_path, test_env)
     norms = series(records[0], "grad_norm")
     assert all(norm > CLIP_BELOW_THE_NORMS for norm in norms), f"clipping was not active at every step: {norms}"
     assert_close_per_step(norms, series(reference, "grad_norm"))
@@ -70,7 +69,7 @@ def test_adamw_kernels_clip_by_their_grad_scale_like_a_clipping_pass(nproc: int,
 
 def test_gradient_accumulation_matches_a_twice_larger_batch(single_process: Record, tmp_path: Path,
                                                             test_env: dict[str, str]) -> None:
-    spec = replace(BASE_RUN, batch_size=GLOBAL_BATCH // 4, accumulate=2)
+    spec = BASE_RUN.with_(batch_size=GLOBAL_BATCH // 4, trainer={"accumulate": 2})
     records = launch(2, spec, tmp_path, test_env)
     assert_close_per_step(series(records[0], "train_loss", 2), series(single_process, "train_loss"))
     assert_close_per_step(series(records[0], "grad_norm", 2), series(single_process, "grad_norm"))
@@ -79,7 +78,7 @@ def test_gradient_accumulation_matches_a_twice_larger_batch(single_process: Reco
 
 
 def test_bf16_mixed_trains_close_to_fp32(single_process: Record, tmp_path: Path, test_env: dict[str, str]) -> None:
-    spec = replace(BASE_RUN, batch_size=GLOBAL_BATCH // 2, precision="bf16-mixed")
+    spec = BASE_RUN.with_(batch_size=GLOBAL_BATCH // 2, trainer={"precision": "bf16-mixed"})
     records = launch(2, spec, tmp_path, test_env)
     assert_identical_on_all_ranks(records)
     bf16, fp32 = series(records[0], "train_loss"), series(single_process, "train_loss")
@@ -94,8 +93,8 @@ def test_self_parallelized_module_runs_unchanged(tmp_path: Path, test_env: dict[
     # A ModelParallelStrategy-style module shards itself in configure_model with
     # self.device_mesh["data_parallel"]; its reset_parameters() init must not depend on the layout.
     # It computes its loss itself, as a mean per rank: fully labelled data, where that is the token mean.
-    spec = replace(BASE_RUN, self_sharded=True, padded_labels=False)
-    two = launch(2, replace(spec, batch_size=GLOBAL_BATCH // 2), tmp_path / "two", test_env)
+    spec = BASE_RUN.with_(model={"self_sharded": True}, data={"padded_labels": False})
+    two = launch(2, spec.with_(batch_size=GLOBAL_BATCH // 2), tmp_path / "two", test_env)
     one = reference_run(spec)
     assert_identical_on_all_ranks(two)
     assert_close_per_step(series(two[0], "train_loss"), series(one, "train_loss"))
@@ -103,7 +102,8 @@ def test_self_parallelized_module_runs_unchanged(tmp_path: Path, test_env: dict[
 
 
 def test_grad_norm_is_logged_without_clipping(single_process: Record, tmp_path: Path, test_env: dict[str, str]) -> None:
-    records = launch(2, replace(BASE_RUN, steps=2, batch_size=GLOBAL_BATCH // 2, clip=None), tmp_path, test_env)
+    records = launch(2, BASE_RUN.with_(steps=2, batch_size=GLOBAL_BATCH // 2, trainer={"clip": None}), tmp_path,
+                     test_env)
     norms = series(records[0], "grad_norm")
     assert len(norms) == 2
     # Step 1 runs from identical weights, so its (pre-clipping) norm equals the clipped run's.

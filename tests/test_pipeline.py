@@ -7,14 +7,13 @@ and the number of times each Lightning hook ran must match the unpipelined run.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import launch
-from tests.parity import (
+from tests.support.parity import (
     BASE_RUN,
     FULL_RUN,
     GLOBAL_BATCH,
@@ -27,19 +26,19 @@ from tests.parity import (
     assert_resume_continues,
     series,
 )
-from tests.run_spec import RunSpec
+from tests.support.run_spec import CallbackSpec, DataSpec, ModelSpec, RunSpec, TrainerSpec
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture()
 def single_4_layers(reference_run: ReferenceRun) -> Record:
-    return reference_run(replace(FULL_RUN, n_layers=4))
+    return reference_run(FULL_RUN.with_(model={"n_layers": 4}))
 
 
 @pytest.fixture()
 def single_8_layers(reference_run: ReferenceRun) -> Record:
-    return reference_run(replace(FULL_RUN, n_layers=8))
+    return reference_run(FULL_RUN.with_(model={"n_layers": 8}))
 
 
 def _pp(size: int, schedule: str, **more: Any) -> dict[str, Any]:
@@ -59,14 +58,14 @@ def _pp(size: int, schedule: str, **more: Any) -> dict[str, Any]:
         "DualPipeV", "1F1B-uneven-split"])
 def test_every_schedule_at_pp2_matches_single_process(strategy: dict, extra: dict, single_4_layers: Record,
                                                       tmp_path: Path, test_env: dict[str, str]) -> None:
-    spec = replace(FULL_RUN, n_layers=4, strategy=strategy, **extra)
+    spec = FULL_RUN.with_(model=dict(n_layers=4, **extra), trainer={"strategy": strategy})
     assert_full_run_matches(launch(2, spec, tmp_path, test_env), single_4_layers)
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
 def test_pp4_matches_single_process(schedule: str, single_8_layers: Record, tmp_path: Path,
                                     test_env: dict[str, str]) -> None:
-    spec = replace(FULL_RUN, n_layers=8, strategy=_pp(4, schedule))
+    spec = FULL_RUN.with_(model={"n_layers": 8}, trainer={"strategy": _pp(4, schedule)})
     assert_full_run_matches(launch(4, spec, tmp_path, test_env), single_8_layers)
 
 
@@ -75,15 +74,15 @@ def test_pp2_x_fsdp2_x_tp2_matches_single_process(schedule: str, single_4_layers
                                                   test_env: dict[str, str]) -> None:
     # 3-D: FSDP shards each stage over 2 ranks, TP (with sequence and loss parallel) splits it over 2 more.
     strategy = _pp(2, schedule, tensor_parallel_size=2, pipeline_microbatches=2)
-    spec = replace(FULL_RUN, batch_size=GLOBAL_BATCH // 2, n_layers=4, strategy=strategy)
+    spec = FULL_RUN.with_(batch_size=GLOBAL_BATCH // 2, model={"n_layers": 4}, trainer={"strategy": strategy})
     assert_full_run_matches(launch(8, spec, tmp_path, test_env), single_4_layers)
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
 def test_accumulation_and_clipping_match_a_twice_larger_batch(schedule: str, single_4_layers: Record, tmp_path: Path,
                                                               test_env: dict[str, str]) -> None:
-    spec = replace(BASE_RUN, batch_size=GLOBAL_BATCH // 2, accumulate=2, n_layers=4,
-                   strategy=_pp(2, schedule, pipeline_microbatches=4))
+    spec = BASE_RUN.with_(batch_size=GLOBAL_BATCH // 2, model={"n_layers": 4},
+                          trainer={"accumulate": 2, "strategy": _pp(2, schedule, pipeline_microbatches=4)})
     records = launch(2, spec, tmp_path, test_env)
     assert_identical_on_all_ranks(records)
     assert_close_per_step(series(records[0], "train_loss", 2), series(single_4_layers, "train_loss"), RTOL)
@@ -95,7 +94,8 @@ def test_compiled_stages_match_single_process(single_4_layers: Record, tmp_path:
                                               test_env: dict[str, str]) -> None:
     # Each stage's blocks are compiled one by one, as without PP. A rank waits for its neighbour's
     # first compile (over 60 s with a cold cache on torch 2.11's CUDA wheel), hence the longer timeout.
-    spec = replace(BASE_RUN, n_layers=4, timeout_seconds=180, strategy=_pp(2, "Interleaved1F1B", compile=True))
+    spec = BASE_RUN.with_(model={"n_layers": 4},
+                          trainer={"timeout_seconds": 180, "strategy": _pp(2, "Interleaved1F1B", compile=True)})
     records = launch(2, spec, tmp_path, test_env)
     assert_identical_on_all_ranks(records)
     assert_close_per_step(series(records[0], "train_loss"), series(single_4_layers, "train_loss"), RTOL)
@@ -105,7 +105,8 @@ def test_compiled_stages_match_single_process(single_4_layers: Record, tmp_path:
 def test_bf16_mixed_pipeline_trains_close_to_fp32(single_4_layers: Record, tmp_path: Path,
                                                   test_env: dict[str, str]) -> None:
     # bf16 activations travel between stages; FSDP2 keeps fp32 master weights and reduces in fp32.
-    spec = replace(BASE_RUN, n_layers=4, precision="bf16-mixed", strategy=_pp(2, "ZBVZeroBubble"))
+    spec = BASE_RUN.with_(model={"n_layers": 4},
+                          trainer={"precision": "bf16-mixed", "strategy": _pp(2, "ZBVZeroBubble")})
     records = launch(2, spec, tmp_path, test_env)
     assert_identical_on_all_ranks(records)
     bf16, fp32 = series(records[0], "train_loss"), series(single_4_layers, "train_loss")
@@ -119,10 +120,11 @@ def test_checkpoint_callback_and_early_stopping_decide_as_without_parallelism(st
                                                                               reference_run: ReferenceRun) -> None:
     # ModelCheckpoint keeps the best 2 by train_loss, EarlyStopping watches it at every epoch end (2
     # steps), and the progress bar shows it. Their decisions are votes over every rank.
-    spec = RunSpec(steps=8, clip=1.0, batch_size=GLOBAL_BATCH, n_layers=4, samples=16, lightning_callbacks=True,
-                   progress_bar=True)
+    spec = RunSpec(steps=8, batch_size=GLOBAL_BATCH, trainer=TrainerSpec(clip=1.0, progress_bar=True),
+                   model=ModelSpec(n_layers=4), data=DataSpec(samples=16),
+                   callbacks=CallbackSpec(lightning_callbacks=True))
     single = reference_run(spec)
-    records = launch(2, replace(spec, strategy=strategy), tmp_path / "parallel", test_env)
+    records = launch(2, spec.with_(trainer={"strategy": strategy}), tmp_path / "parallel", test_env)
     for record in records:
         assert record["global_step"] == single["global_step"]
         assert record["best_k_models"] == single["best_k_models"]
@@ -134,19 +136,23 @@ def test_checkpoint_callback_and_early_stopping_decide_as_without_parallelism(st
 def test_checkpoint_from_pp2_resumes_under_another_pipeline_size(nproc: int, strategy: dict, tmp_path: Path,
                                                                  test_env: dict[str, str]) -> None:
     # 24 samples of batch 8: step 3 ends an epoch, where Lightning resumes map-style data exactly.
-    spec = RunSpec(steps=6, clip=1.0, batch_size=GLOBAL_BATCH, n_layers=4, samples=24)
+    spec = RunSpec(steps=6, batch_size=GLOBAL_BATCH, trainer=TrainerSpec(clip=1.0), model=ModelSpec(n_layers=4),
+                   data=DataSpec(samples=24))
     checkpoint = tmp_path / "pp2.ckpt"
-    original = launch(2, replace(spec, strategy=_pp(2, "ZBVZeroBubble"), save_at=3, save_path=str(checkpoint)),
+    original = launch(2, spec.with_(trainer={"strategy": _pp(2, "ZBVZeroBubble")},
+                                    checkpoints={"save_at": 3, "save_path": str(checkpoint)}),
                       tmp_path / "pp2", test_env)
-    resumed = launch(nproc, replace(spec, strategy=strategy, resume_from=str(checkpoint)), tmp_path / "resumed",
-                     test_env)
+    resumed = launch(nproc, spec.with_(trainer={"strategy": strategy}, checkpoints={"resume_from": str(checkpoint)}),
+                     tmp_path / "resumed", test_env)
     assert_resume_continues(original, resumed, saved_at=3, steps=6)
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    (RunSpec(steps=2, n_layers=2, batch_size=8, strategy=_pp(2, "Interleaved1F1B")),
+    (RunSpec(steps=2, model=ModelSpec(n_layers=2), batch_size=8,
+             trainer=TrainerSpec(strategy=_pp(2, "Interleaved1F1B"))),
      "ValueError: The model has 2 blocks, fewer than the 4 pipeline stages"),
-    (RunSpec(steps=2, n_layers=4, batch_size=6, strategy=_pp(2, "1F1B", pipeline_microbatches=4)),
+    (RunSpec(steps=2, model=ModelSpec(n_layers=4), batch_size=6,
+             trainer=TrainerSpec(strategy=_pp(2, "1F1B", pipeline_microbatches=4))),
      "ValueError: A batch of 6 samples cannot be split into pipeline_microbatches=4"),
 ], ids=["too-few-blocks", "indivisible-batch"])
 def test_bad_pipeline_input_fails_on_every_rank(spec: RunSpec, message: str, tmp_path: Path,

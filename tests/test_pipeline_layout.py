@@ -8,7 +8,8 @@ import torch
 from llama_module import LlamaConfig
 from llama_module.model import Llama
 from llama_module.plan import llama_plan
-from titan_strategy.pipeline.layout import PipelineConfig, check_microbatch_split
+from titan_strategy.config.pipeline import PipelineConfig
+from titan_strategy.pipeline.layout import check_microbatch_split
 from titan_strategy.pipeline.split import split_for_rank, stage_module_names
 
 pytestmark = pytest.mark.unit
@@ -121,8 +122,8 @@ def test_a_stage_without_embedding_or_head_runs_on_hidden_states() -> None:
 
 def test_a_pipeline_plan_that_cannot_log_its_loss_is_refused_before_the_model_is_touched() -> None:
     from titan_strategy.config import TitanConfig
-    from titan_strategy.mesh import ParallelDims
-    from titan_strategy.parallelize import check_plan
+    from titan_strategy.config.mesh import ParallelDims
+    from titan_strategy.parallelize.apply import check_plan
 
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2)
     config = TitanConfig.from_knobs(pipeline_parallel_size=2)

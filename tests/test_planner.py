@@ -14,7 +14,7 @@ from llama_module.paper_runs import PAPER_RUNS, PaperRun
 from llama_module.plan_cli import check_training_config, training_layout
 from llama_module.plan_cli import main as titan_plan
 from tests.conftest import launch
-from tests.run_spec import RunSpec
+from tests.support.run_spec import CallbackSpec, DataSpec, ModelSpec, RunSpec, TrainerSpec
 from titan_strategy.planner.estimate import Job, Layout, ModelShape, estimate
 from titan_strategy.planner.hardware import get_gpu
 from titan_strategy.planner.search import PlanError, check_layout, plan_layouts
@@ -35,14 +35,15 @@ EIGHT_B_WIDTH = LlamaConfig(dim=4096, n_layers=16, n_heads=32, n_kv_heads=8, voc
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("shape", "batch", "ac", "loss_chunk_tokens", "measured_gib"), [
-    # Peak allocated of Lightning + TitanStrategy on one H200 (no FSDP, autocast), compiled blocks and loss of the
-    # whole logits, seq 8192 (benchmarks/RESULTS.md, issue #8 fourth pass, native GQA; the 8B width's AC rows from
-    # the third pass, when key and value were expanded before attention).
+    # Peak allocated of Lightning + TitanStrategy on one GPU (no FSDP, autocast), compiled blocks and loss of the
+    # whole logits, seq 8192 (benchmarks/RESULTS.md: 'Planner vs measured peaks'; the log's "GPU performance, fourth
+    # pass", native GQA; the 8B width's AC rows from the third pass, when key and value were expanded before
+    # attention).
     (get_flavor("1B"), 2, "none", None, 46.8), (get_flavor("1B"), 2, "selective_op", None, 33.7),
     (get_flavor("1B"), 2, "selective_layer", None, 37.1), (get_flavor("1B"), 2, "full", None, 27.4),
     (EIGHT_B_WIDTH, 1, "none", None, 80.5), (EIGHT_B_WIDTH, 1, "selective_op", None, 68.0),
     (EIGHT_B_WIDTH, 1, "full", None, 68.0),
-    # The chunked loss, on one H100 on 2026-12-05 (bf16 weights, fp32 masters; RESULTS.md, issue #28).
+    # The chunked loss (bf16 weights, fp32 masters; benchmarks/RESULTS.md: 'Loss chunk size', 2026-12-05).
     (get_flavor("1B"), 2, "none", 1024, 39.7), (get_flavor("1B"), 2, "none", 2048, 40.4),
     (get_flavor("1B"), 2, "none", 4096, 41.9),
 ], ids=["1B-none", "1B-selective_op", "1B-selective_layer", "1B-full", "8B-width-none", "8B-width-selective_op",
@@ -70,10 +71,11 @@ def test_peak_memory_within_20_percent_of_a_measured_cpu_run(ac: str, loss_chunk
     # step's peak, storage by storage. Without the logits' peak, the chunked loss shows backward's recomputation
     # window under selective_op (estimated 33% low before the planner counted it).
     batch = 2
-    spec = RunSpec(steps=2, batch_size=batch, seq_len=CPU_SHAPE["max_seq_len"], model=CPU_SHAPE,
-                   precision="bf16-mixed", memory_probe_step=1, strategy={"activation_checkpointing": ac},
-                   cross_entropy="logits" if loss_chunk_tokens is None else "chunked",
-                   loss_chunk_tokens=loss_chunk_tokens or RunSpec.loss_chunk_tokens)
+    spec = RunSpec(steps=2, batch_size=batch, data=DataSpec(seq_len=CPU_SHAPE["max_seq_len"]),
+                   model=ModelSpec(config=CPU_SHAPE, cross_entropy="logits" if loss_chunk_tokens is None else "chunked",
+                                   loss_chunk_tokens=loss_chunk_tokens or ModelSpec.loss_chunk_tokens),
+                   trainer=TrainerSpec(precision="bf16-mixed", strategy={"activation_checkpointing": ac}),
+                   callbacks=CallbackSpec(memory_probe_step=1))
     [record] = launch(1, spec, tmp_path, test_env)
     measured_gib = record["peak_memory_bytes"] / 2**30
     job = Job(gpus=1, gpus_per_node=1, gpu=get_gpu("H200"), seq_len=CPU_SHAPE["max_seq_len"],
@@ -197,8 +199,8 @@ def test_titan_fit_plan_check_stops_a_run_that_cannot_fit_before_anything_starts
 
 @pytest.mark.unit
 def test_the_planner_prices_every_ac_mode_the_strategy_has() -> None:
+    from titan_strategy.config.activation_checkpoint import ACMode
     from titan_strategy.knobs import choices
-    from titan_strategy.parallelize.activation_checkpoint import ACMode
     from titan_strategy.planner.estimate import RECOMPUTE
 
     assert sorted(RECOMPUTE) == sorted(choices(ACMode))
@@ -216,9 +218,9 @@ def _rehearsed_config(config: str, num_nodes: int | None = None, batch_size: int
 
 # Peak allocated GiB of one rank, measured by `titan rehearse` (benchmarks/rehearsal.py) on one GPU with torch
 # 2.11.0+cu130, the shipped configs as written plus the changes shown (benchmarks/RESULTS.md, "Rehearsals"). The
-# first pipeline stage's rank is 0, the last stage's 448 (480 under PP16). Every rank on 2026-12-04 on an H200,
-# except the three last stages: re-measured on 2026-12-05 on an H100, after the runner stopped keeping each
-# microbatch's logits (they came to within 0.25 GiB of the 2026-12-04 numbers less those logits).
+# first pipeline stage's rank is 0, the last stage's 448 (480 under PP16). Every rank rehearsed on 2026-12-04,
+# except the three last stages: rehearsed again on 2026-12-05, after the runner stopped keeping each microbatch's
+# logits (they came to within 0.25 GiB of the 2026-12-04 numbers less those logits).
 _PP16_SELECTIVE_OP = {"batch_size": 64, "pipeline_parallel_size": 16, "data_parallel_shard_size": 4,
                       "pipeline_microbatches": 64, "activation_checkpointing": "selective_op"}
 REHEARSED_PEAKS = [

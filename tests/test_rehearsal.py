@@ -23,7 +23,7 @@ from llama_module.rehearse_cli import main as titan_rehearse
 from llama_module.rehearse_cli import rehearsed_ranks
 from tests.conftest import REPO, run_command
 from titan_strategy.config import TitanConfig
-from titan_strategy.mesh import ParallelDims
+from titan_strategy.config.mesh import ParallelDims
 from titan_strategy.rehearsal import LiveStorageBytes, rank_coordinates, required_gib
 
 # Every TP degree up to 8 divides its heads, kv heads, ffn_dim and vocabulary; ffn_dim does not split evenly over

@@ -20,7 +20,7 @@ import torch
 from tests.conftest import REPO, run_command
 from titan_strategy.simulated_ranks import SimulatedRanksStrategy
 
-WORKER = REPO / "tests" / "simulate_worker.py"
+WORKER = REPO / "tests" / "support" / "simulate_worker.py"
 LAYOUTS = {
     "dp2_tp2": (4, {"data_parallel_shard_size": 2, "tensor_parallel_size": 2}),  # FSDP x TP (+ SP, loss parallel)
     "hsdp2_cp2": (4, {"data_parallel_replicate_size": 2, "context_parallel_size": 2}),  # HSDP x CP

@@ -60,7 +60,7 @@ def test_bad_knobs_fail_at_construction(kwargs: dict, message: str) -> None:
 
 def test_every_documented_schedule_is_accepted() -> None:
     for schedule in PIPELINE_SCHEDULES:
-        assert TitanStrategy(pipeline_schedule=schedule).pipeline.schedule == schedule
+        assert TitanStrategy(pipeline_schedule=schedule).config.pipeline.schedule == schedule
 
 
 @pytest.mark.parametrize(("precision", "expected"), [("32-true", None), ("bf16-mixed", "bfloat16")])
@@ -84,7 +84,7 @@ def test_registered_name_gives_the_contract_defaults(tmp_path: Path) -> None:
     assert isinstance(strategy, TitanStrategy)
     dims = strategy.parallel_dims
     assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp) == (1, 4, 1, 1, 1)
-    assert strategy.pipeline.schedule == "1F1B" and strategy.is_distributed
+    assert strategy.config.pipeline.schedule == "1F1B" and strategy.is_distributed
 
 
 def test_float8_is_refused_on_cpu_in_trainer_init(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ def test_the_progress_bar_takes_the_loss_only_on_logging_steps(tmp_path: Path) -
     from torch.utils.data import DataLoader
 
     from llama_module import LlamaModule
-    from tests.train_worker import TINY, AffineSequences
+    from tests.support.train_worker import TINY, AffineSequences
 
     seen: list[tuple[float, float]] = []
 
@@ -143,7 +143,7 @@ def test_a_single_device_trains_without_fsdp_under_autocast(tmp_path: Path) -> N
     from torch.utils.data import DataLoader
 
     from llama_module import LlamaModule
-    from tests.train_worker import TINY, AffineSequences
+    from tests.support.train_worker import TINY, AffineSequences
 
     logits_dtypes: list[torch.dtype] = []
 
@@ -210,7 +210,7 @@ def test_a_plain_modules_blocks_are_found_without_the_user() -> None:
 
     assert repeated_blocks(Net()) == ("layers.0", "layers.1", "layers.2", "heads.a", "heads.b")
     transformers = pytest.importorskip("transformers")
-    from tests.user_modules import HF_SHAPE
+    from tests.support.user_modules import HF_SHAPE
 
     with torch.device("meta"):
         llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_SHAPE))
@@ -235,7 +235,7 @@ def test_a_meta_built_module_without_an_initializer_is_named_before_any_allocati
         own_initializers(net)
     # Inside a transformers model, whose _init_weights does not know it: nothing writes it, and that is refused.
     transformers = pytest.importorskip("transformers")
-    from tests.user_modules import HF_SHAPE
+    from tests.support.user_modules import HF_SHAPE
     from titan_strategy.parallelize.materialize import materialize_with_own_initializers
 
     with torch.device("meta"):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import launch
-from tests.parity import (
+from tests.support.parity import (
     BASE_RUN,
     GLOBAL_BATCH,
     RTOL,
@@ -19,14 +18,14 @@ from tests.parity import (
     assert_identical_on_all_ranks,
     series,
 )
-from tests.run_spec import RunSpec
+from tests.support.run_spec import DataSpec, RunSpec, TrainerSpec
 from titan_strategy.parallelize.tensor_parallel import (
     check_sequence_length,
     check_tp_plan,
 )
 from titan_strategy.plan import TensorParallelPlan
 
-WITH_VALIDATION = replace(BASE_RUN, validate=True)
+WITH_VALIDATION = BASE_RUN.with_(trainer={"validate": True})
 
 
 @pytest.fixture()
@@ -53,7 +52,7 @@ def _tp(size: int, sequence_parallel: bool = True, loss_parallel: bool = True, *
 def test_matches_single_process(nproc: int, strategy: dict, single_process_with_validation: Record, tmp_path: Path,
                                 test_env: dict[str, str]) -> None:
     data_parallel = nproc // strategy["tensor_parallel_size"]
-    spec = replace(WITH_VALIDATION, batch_size=GLOBAL_BATCH // data_parallel, strategy=strategy)
+    spec = WITH_VALIDATION.with_(batch_size=GLOBAL_BATCH // data_parallel, trainer={"strategy": strategy})
     records = launch(nproc, spec, tmp_path, test_env)
     reference = single_process_with_validation
     assert_identical_on_all_ranks(records)
@@ -74,10 +73,13 @@ def test_checkpoint_resumes_under_another_layout(saved: tuple[int, int, dict], r
     # A single device saves plain tensors (no FSDP there); a sharded run reads its shards out of them.
     checkpoint = tmp_path / "saved.ckpt"
     (saved_nproc, saved_batch, saved_strategy), (resumed_nproc, resumed_batch, resumed_strategy) = saved, resumed
-    spec = RunSpec(steps=6, clip=1.0, samples=24, batch_size=saved_batch, strategy=saved_strategy)
-    original = launch(saved_nproc, replace(spec, save_at=3, save_path=str(checkpoint)), tmp_path / "saved", test_env)
-    after = launch(resumed_nproc, replace(spec, batch_size=resumed_batch, strategy=resumed_strategy,
-                                          resume_from=str(checkpoint)), tmp_path / "resumed", test_env)
+    spec = RunSpec(steps=6, batch_size=saved_batch, data=DataSpec(samples=24),
+                   trainer=TrainerSpec(clip=1.0, strategy=saved_strategy))
+    original = launch(saved_nproc, spec.with_(checkpoints={"save_at": 3, "save_path": str(checkpoint)}),
+                      tmp_path / "saved", test_env)
+    after = launch(resumed_nproc, spec.with_(batch_size=resumed_batch, trainer={"strategy": resumed_strategy},
+                                             checkpoints={"resume_from": str(checkpoint)}),
+                   tmp_path / "resumed", test_env)
     assert_identical_on_all_ranks(after)
     [expected] = [s for s in original[0]["steps"] if s["step"] == 4]
     first = after[0]["steps"][0]
@@ -145,9 +147,9 @@ def test_compiled_blocks_match_eager(tmp_path: Path, test_env: dict[str, str], r
     """Regional compile under FSDP2, and under FSDP2 x TP where torch compiles TP correctly."""
     from titan_strategy import TitanStrategy
 
-    spec = RunSpec(steps=4, clip=1.0, batch_size=GLOBAL_BATCH)
+    spec = RunSpec(steps=4, batch_size=GLOBAL_BATCH, trainer=TrainerSpec(clip=1.0))
     eager = reference_run(spec)
-    compiled = launch(2, replace(spec, batch_size=GLOBAL_BATCH // 2, strategy={"compile": True}),
+    compiled = launch(2, spec.with_(batch_size=GLOBAL_BATCH // 2, trainer={"strategy": {"compile": True}}),
                       tmp_path / "compiled", test_env)[0]
     for key in ("train_loss", "grad_norm"):
         assert series(compiled, key) == pytest.approx(series(eager, key), rel=RTOL)
@@ -155,6 +157,7 @@ def test_compiled_blocks_match_eager(tmp_path: Path, test_env: dict[str, str], r
         with pytest.raises(ValueError, match=r"compile=True with tensor_parallel_size=2 gives wrong gradients"):
             TitanStrategy(tensor_parallel_size=2, compile=True)
     else:
-        with_tp = launch(2, replace(spec, strategy=_tp(2, compile=True)), tmp_path / "compiled_tp", test_env)[0]
+        with_tp = launch(2, spec.with_(trainer={"strategy": _tp(2, compile=True)}), tmp_path / "compiled_tp",
+                         test_env)[0]
         for key in ("train_loss", "grad_norm"):
             assert series(with_tp, key) == pytest.approx(series(eager, key), rel=RTOL)

@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 
 from llama_module import LlamaModule
 from tests.conftest import launch
-from tests.run_spec import RunSpec
-from tests.train_worker import TINY, AffineSequences
+from tests.support.run_spec import CallbackSpec, DataSpec, RunSpec, TrainerSpec
+from tests.support.train_worker import TINY, AffineSequences
 from titan_strategy import Throughput
 from titan_strategy.callbacks.throughput import ThroughputWindow, peak_tflops_of
 
@@ -77,8 +77,9 @@ def test_per_device_rate_is_the_global_rate_over_the_world(nproc: int, strategy:
                                                             tmp_path: Path, test_env: dict[str, str]) -> None:
     steps = 1 + 2 * EVERY  # the first batch is warm-up, then two windows
     dp = nproc // ranks_per_batch
-    spec = RunSpec(steps=steps, batch_size=GLOBAL_BATCH // dp, seq_len=SEQ_LEN, strategy=strategy,
-                   throughput={"log_every_n_steps": EVERY})
+    spec = RunSpec(steps=steps, batch_size=GLOBAL_BATCH // dp, data=DataSpec(seq_len=SEQ_LEN),
+                   trainer=TrainerSpec(strategy=strategy),
+                   callbacks=CallbackSpec(throughput={"log_every_n_steps": EVERY}))
     records = launch(nproc, spec, tmp_path, test_env)
     flops_per_token = LlamaModule(model=TINY).flops_per_token(SEQ_LEN)
     for record in records:

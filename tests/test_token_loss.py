@@ -1,6 +1,6 @@
 """The token-weighted loss in one process: its sums, accumulation windows weighted by tokens, and the warning
 for modules that keep plain means. The multi-process layouts are checked against one process with padded
-labels by every parity test (tests/parity.py's BASE_RUN)."""
+labels by every parity test (tests/support/parity.py's BASE_RUN)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from llama_module import LlamaModule
-from tests.train_worker import TINY, AffineSequences
+from tests.support.train_worker import TINY, AffineSequences
 from titan_strategy import TitanStrategy
 from titan_strategy.token_loss import token_cross_entropy, token_mean
 

@@ -8,7 +8,6 @@ one group or two are alive: every step's loss matches the single-process run, th
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import threading
 import time
@@ -21,8 +20,8 @@ import pytest
 from torchft.coordination import LighthouseServer
 
 from tests.conftest import free_port, launch
-from tests.parity import BASE_RUN, GLOBAL_BATCH, ReferenceRun, series
-from tests.run_spec import RunSpec
+from tests.support.parity import BASE_RUN, GLOBAL_BATCH, ReferenceRun, series
+from tests.support.run_spec import RunSpec
 from titan_strategy import TitanStrategy
 from titan_strategy.fault_tolerance import check_lighthouse_answers
 
@@ -43,13 +42,16 @@ def lighthouse(min_replicas: int) -> Iterator[str]:
 
 
 def _group_run(address: str, group: int, run: RunSpec = BASE_RUN, strategy_knobs: dict[str, Any] | None = None,
-               **changes: Any) -> RunSpec:
-    # Every in-group data rank loads the rows of all groups: GLOBAL_BATCH / RANKS_PER_GROUP under FSDP.
-    changes.setdefault("batch_size", GLOBAL_BATCH // RANKS_PER_GROUP)
-    return dataclasses.replace(
-        run, timeout_seconds=20, record_parameter_digest=True,
-        strategy={"fault_tolerance": "torchft", "data_parallel_replicate_size": GROUPS, "torchft_lighthouse": address,
-                  "replica_group_id": group, **(strategy_knobs or {})}, **changes)
+               batch_size: int = GLOBAL_BATCH // RANKS_PER_GROUP, model_checkpoint: dict[str, Any] | None = None,
+               **drills: Any) -> RunSpec:
+    """Replica group ``group``'s part of ``run``; ``drills``: DrillSpec's fields. Every in-group data rank loads the
+    rows of all groups: GLOBAL_BATCH / RANKS_PER_GROUP under FSDP."""
+    return run.with_(
+        batch_size=batch_size, checkpoints={"model_checkpoint": model_checkpoint},
+        drills=dict(record_parameter_digest=True, **drills),
+        trainer={"timeout_seconds": 20, "strategy": {
+            "fault_tolerance": "torchft", "data_parallel_replicate_size": GROUPS, "torchft_lighthouse": address,
+            "replica_group_id": group, **(strategy_knobs or {})}})
 
 
 def _wait_for(path: Path, timeout_s: float = 120) -> None:
@@ -119,7 +121,7 @@ def test_replica_groups_without_a_failure_train_as_one_process(layout: dict[str,
 @pytest.mark.parametrize("data", ["affine", "text"])  # a map-style DataLoader; TextDataModule's packed windows
 def test_a_dead_group_leaves_the_survivor_training_and_rejoins_with_its_state(
         data: str, reference_run: ReferenceRun, tmp_path: Path, test_env: dict[str, str]) -> None:
-    run = dataclasses.replace(BASE_RUN, data=data)
+    run = BASE_RUN.with_(data={"kind": data})
     single_process = reference_run(run)
     killed_at, alone_until, rejoin_by = 5, 7, 8
     files = {name: str(tmp_path / name) for name in ("group0_started", "group1_started", "group0_alone",

@@ -157,7 +157,7 @@ def local_parameter_count(module: torch.nn.Module) -> int:
 class LiveStorageBytes(TorchDispatchMode):
     """Bytes held by live tensor storages, and their peak, followed op by op: on CPU the allocator keeps no
     statistics. Storages resized in place (FSDP frees its gathered parameters that way) are followed too.
-    (torch's MemTracker, which tests/train_worker.py uses on one device, refuses a root module run twice in a
+    (torch's MemTracker, which tests/support/train_worker.py uses on one device, refuses a root module run twice in a
     step, as every pipeline stage is once per microbatch.)"""
 
     def __init__(self, *held: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """One short fit of a tiny Llama for tests/test_simulated_ranks.py: in one process, or with every rank of a layout
 simulated in this one (``SimulatedRanksStrategy``). Writes its per-step training losses as JSON.
 
-    python tests/simulate_worker.py RUN.json OUT.json
+    python tests/support/simulate_worker.py RUN.json OUT.json
 
 RUN.json: {"world_size": 0 for one process, else the simulated world; "knobs": TitanStrategy knobs;
 "device": "cpu" | "cuda"; "precision": Trainer precision; "attention_mask" and "attention_kernel": LlamaModule's}.

@@ -1,6 +1,6 @@
 """Training runs of modules nobody here wrote (a plain ``nn.Module`` LightningModule, Lightning's ``BoringModel``,
-tiny transformers causal LMs), under TitanStrategy or Lightning's DDP: ``RunSpec.user_module`` picks one, and
-tests/train_worker.py hands such a spec to ``main`` here.
+tiny transformers causal LMs), under TitanStrategy or Lightning's DDP: ``RunSpec.model.user_module`` picks one, and
+tests/support/train_worker.py hands such a spec to ``main`` here.
 
 ``user_module`` keys (all but ``kind`` optional):
     kind: "mlp" (an ``nn.Module`` stack in a ModuleList), "boring" (Lightning's BoringModel), "llama", "qwen2" or
@@ -11,16 +11,16 @@ tests/train_worker.py hands such a spec to ``main`` here.
         (``configure_model`` shards its first block over ``device_mesh["data_parallel"]`` and nothing else) or
         "manual" (manual optimization: backward and step inside ``training_step``).
     pretrained: a transformers model folder that ``__init__`` loads with ``from_pretrained``.
-    strategy: "titan" (``RunSpec.strategy`` its arguments) or "ddp".
+    strategy: "titan" (``RunSpec.trainer.strategy`` its arguments) or "ddp".
     swa: add ``StochasticWeightAveraging``; barebones: ``Trainer(barebones=True)``; log_every_n_steps: the Trainer's.
     save_distributed_checkpoint: TitanStrategy's.
     validate_from: ``trainer.validate`` from this checkpoint instead of fit; the record's ``validated`` holds its
         metrics.
-``RunSpec.save_at``/``save_path``: ``trainer.save_checkpoint`` after that step.
+``RunSpec.checkpoints.save_at``/``save_path``: ``trainer.save_checkpoint`` after that step.
 
 Each rank's record: ``losses`` (each step's loss, averaged over the data-parallel ranks), ``weights_at_start`` and
 ``weights`` (each parameter's full sum and sum of squares at ``on_train_start`` and after fit), ``param_dtypes``,
-``warnings`` (TitanStrategy's about plain means of padded labels). ``RunSpec.padded_labels`` pads the labels.
+``warnings`` (TitanStrategy's about plain means of padded labels). ``RunSpec.data.padded_labels`` pads the labels.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from tests.run_spec import RunSpec
+from tests.support.run_spec import RunSpec
 from titan_strategy import TitanStrategy
 
 VOCAB = 256
@@ -183,7 +183,7 @@ def _module(options: dict[str, Any], trainer: L.Trainer) -> L.LightningModule:
         return Boring()
     if kind == "tiny_llama":
         from llama_module import LlamaModule
-        from tests.train_worker import TINY
+        from tests.support.train_worker import TINY
 
         return LlamaModule(model=TINY, warmup_steps=2, decay_steps=100, cross_entropy="logits")
     if build == "init_module":
@@ -197,30 +197,31 @@ def _module(options: dict[str, Any], trainer: L.Trainer) -> L.LightningModule:
 
 
 def main(spec: RunSpec, out_dir: Path) -> None:
-    options = spec.user_module
+    options = spec.model.user_module
     assert options is not None
     L.seed_everything(spec.seed, verbose=False)
     if options.get("strategy", "titan") == "ddp":
         strategy: Any = "ddp"
     else:
-        strategy = TitanStrategy(**spec.strategy, timeout_seconds=spec.timeout_seconds,
+        strategy = TitanStrategy(**spec.trainer.strategy, timeout_seconds=spec.trainer.timeout_seconds,
                                  save_distributed_checkpoint=options.get("save_distributed_checkpoint", True))
-    recorder = Recorder(spec.save_at, spec.save_path)
+    recorder = Recorder(spec.checkpoints.save_at, spec.checkpoints.save_path)
     callbacks: list[Callback] = [recorder]
     if options.get("swa"):
         callbacks.append(StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1))
     barebones = options.get("barebones", False)
     trainer = L.Trainer(accelerator=spec.accelerator, devices=spec.devices, strategy=strategy,
-                        precision=spec.precision, max_steps=spec.steps, callbacks=callbacks, barebones=barebones,
+                        precision=spec.trainer.precision, max_steps=spec.steps, callbacks=callbacks,
+                        barebones=barebones,
                         log_every_n_steps=options.get("log_every_n_steps"),
                         **({} if barebones else {"logger": False, "enable_checkpointing": False,
                                                  "enable_progress_bar": False, "enable_model_summary": False}),
                         num_sanity_val_steps=0, limit_val_batches=2 if options.get("validate_from") else 0,
                         default_root_dir=str(out_dir))
     module = _module(options, trainer)
-    from tests.train_worker import AffineSequences
+    from tests.support.train_worker import AffineSequences
 
-    samples = AffineSequences(spec.samples, spec.seq_len, VOCAB, padded=spec.padded_labels)
+    samples = AffineSequences(spec.data.samples, spec.data.seq_len, VOCAB, padded=spec.data.padded_labels)
     loader = DataLoader(samples, batch_size=spec.batch_size)
     if options.get("validate_from"):
         [validated] = trainer.validate(module, loader, ckpt_path=options["validate_from"], verbose=False)
@@ -228,7 +229,7 @@ def main(spec: RunSpec, out_dir: Path) -> None:
         return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, loader, ckpt_path=spec.resume_from)
+        trainer.fit(module, loader, ckpt_path=spec.checkpoints.resume_from)
     record = {"warnings": [str(warning.message) for warning in caught if "plain mean" in str(warning.message)],
               "losses": recorder.losses, "weights_at_start": recorder.weights_at_start,
               "weights": weight_sums(module), "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),

@@ -1,9 +1,11 @@
-"""One training run under TitanStrategy, launched by the tests (tests/fork_launch.py, torchrun or Lightning's launcher).
+"""One training run under TitanStrategy, launched by the tests (tests/support/fork_launch.py, torchrun or Lightning's
+launcher).
 
-    python tests/fork_launch.py 2 SPEC.json OUT_DIR
-    PYTHONPATH=. python -m torch.distributed.run --standalone --nproc-per-node 2 tests/train_worker.py SPEC.json OUT_DIR
+    python tests/support/fork_launch.py 2 SPEC.json OUT_DIR
+    PYTHONPATH=. python -m torch.distributed.run --standalone --nproc-per-node 2 tests/support/train_worker.py \
+        SPEC.json OUT_DIR
 
-SPEC.json is a ``tests.run_spec.RunSpec`` (``RunSpec.to_json``).
+SPEC.json is a ``tests.support.run_spec.RunSpec`` (``RunSpec.to_json``).
 
 Every rank writes OUT_DIR/rank{N}.json with the logged ``train_loss`` (and ``grad_norm``) of each
 optimizer step, so tests can compare runs of different layouts with a single-process run. A rank
@@ -41,10 +43,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import titan_strategy.checkpoint.io as checkpoint_io
 from llama_module import LlamaConfig, LlamaModule, TextDataModule
-from tests.run_spec import RunSpec
+from tests.support.run_spec import DrillSpec, RunSpec
 from titan_strategy import FlightRecorder, Throughput, TitanStrategy
+from titan_strategy.config.float8 import Float8Config
 from titan_strategy.parallelize.cuda_graph import graphed_call
-from titan_strategy.parallelize.float8 import Float8Config
 
 # 8 query and 4 kv heads: grouped-query attention that still splits 4 ways under tensor parallelism.
 TINY = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=128, max_seq_len=64)
@@ -162,8 +164,8 @@ def _pipeline_runner(trainer: L.Trainer) -> Any:
 
 
 def _validation_loader(spec: RunSpec) -> DataLoader:
-    sequences = AffineSequences(64, spec.seq_len, TINY.vocab_size, seed=99, padded=spec.padded_labels,
-                                documents=spec.documents)
+    sequences = AffineSequences(64, spec.data.seq_len, TINY.vocab_size, seed=99, padded=spec.data.padded_labels,
+                                documents=spec.data.documents)
     return DataLoader(sequences, batch_size=spec.batch_size)
 
 
@@ -196,7 +198,7 @@ class RemovalLog:
 
 def _interfere_with_writes(slow_s: float, kill: dict[str, int] | None, disk_full: str | None) -> None:
     """Make each DCP shard write take ``slow_s`` longer; SIGKILL rank ``kill["rank"]`` in its ``kill["save"]``-th;
-    fill the disk from the second save on (``RunSpec.disk_full``)."""
+    fill the disk from the second save on (``DrillSpec.disk_full``)."""
     write_data = dcp.FileSystemWriter.write_data
     writes = 0
 
@@ -258,7 +260,7 @@ class Sabotage(Callback):
 
 
 class Interrupt(Callback):
-    """``RunSpec.interrupt``: a preemption (SIGTERM) or a dead rank (SIGKILL) at the start of a step."""
+    """``DrillSpec.interrupt``: a preemption (SIGTERM) or a dead rank (SIGKILL) at the start of a step."""
 
     def __init__(self, interrupt: dict[str, Any]) -> None:
         self.interrupt = interrupt
@@ -279,7 +281,7 @@ class Interrupt(Callback):
 
 
 class RejoinGate(Callback):
-    """``RunSpec.wait_for_files`` and ``announce_files``: a replica group waits at a step until another one has got
+    """``DrillSpec.wait_for_files`` and ``announce_files``: a replica group waits at a step until another one has got
     somewhere, so that the groups meet in the step the drill needs (the first, or one before the run ends)."""
 
     def __init__(self, wait_for_files: list[dict[str, Any]], announce_files: list[dict[str, Any]]) -> None:
@@ -393,107 +395,185 @@ class MemoryProbe(Callback):
             self.peak_bytes = sum(device["Total"] for device in self.tracker.get_tracker_snapshot("peak").values())
 
 
-def main(spec: RunSpec, out_dir: Path) -> None:
-    L.seed_everything(spec.seed, verbose=False)
-    if spec.float8_on_cpu:
+@dataclasses.dataclass
+class Probes:
+    """The callbacks and patches whose findings go into the rank's record."""
+
+    recorder: Recorder
+    throughput: Throughput | None = None
+    memory_probe: MemoryProbe | None = None
+    removal_log: RemovalLog | None = None
+
+
+def _strategy(spec: RunSpec) -> Any:
+    settings = spec.trainer
+    if settings.float8_on_cpu:
         # torchao's float8 matmuls run on CPU too (slowly): the strategy refuses them there as pointless, but a
         # test can check how float8 composes with TP and FSDP on gloo this way.
         Float8Config.check_device = lambda self, device: None
-    if spec.lightning_model_parallel:
-        strategy = ModelParallelStrategy(data_parallel_size=spec.devices, tensor_parallel_size=1)
-    else:
-        # Short, so that a hang fails the test; compiling runs may ask for longer (cold inductor cache).
-        strategy = TitanStrategy(**spec.strategy, timeout_seconds=spec.timeout_seconds)
-    recorder = Recorder(spec.save_at, spec.save_path, spec.rng_probe)
-    callbacks = [recorder, *(_lightning_callbacks(out_dir) if spec.lightning_callbacks else [])]
-    if spec.model_checkpoint is not None:  # ModelCheckpoint's arguments, dirpath included
-        callbacks.append(ModelCheckpoint(**spec.model_checkpoint))
-    if spec.flight_recorder is not None:  # FlightRecorder's arguments; dumps go to OUT_DIR/flight_recorder
-        callbacks.append(FlightRecorder(**spec.flight_recorder))
-    if spec.drill is not None:
-        callbacks.append(Sabotage(spec.drill, out_dir))
-    if spec.interrupt is not None:
-        callbacks.append(Interrupt(spec.interrupt))
-    if spec.wait_for_files or spec.announce_files:
-        callbacks.append(RejoinGate(spec.wait_for_files, spec.announce_files))
-    throughput = Throughput(**spec.throughput) if spec.throughput is not None else None
-    memory_probe = MemoryProbe(spec.memory_probe_step) if spec.memory_probe_step is not None else None
-    callbacks += [callback for callback in (throughput, memory_probe) if callback is not None]
-    removal_log = RemovalLog() if spec.log_removals else None
-    if spec.slow_writes_s or spec.kill_during_save or spec.disk_full:
-        _interfere_with_writes(spec.slow_writes_s, spec.kill_during_save, spec.disk_full)
-    trainer = L.Trainer(
+    if settings.lightning_model_parallel:
+        return ModelParallelStrategy(data_parallel_size=spec.devices, tensor_parallel_size=1)
+    # Short, so that a hang fails the test; compiling runs may ask for longer (cold inductor cache).
+    return TitanStrategy(**settings.strategy, timeout_seconds=settings.timeout_seconds)
+
+
+def _drill_callbacks(drills: DrillSpec, out_dir: Path) -> list[Callback]:
+    callbacks: list[Callback] = []
+    if drills.hang is not None:
+        callbacks.append(Sabotage(drills.hang, out_dir))
+    if drills.interrupt is not None:
+        callbacks.append(Interrupt(drills.interrupt))
+    if drills.wait_for_files or drills.announce_files:
+        callbacks.append(RejoinGate(drills.wait_for_files, drills.announce_files))
+    return callbacks
+
+
+def _callbacks(spec: RunSpec, out_dir: Path) -> tuple[list[Callback], Probes]:
+    """The recorder, the callbacks ``spec`` asks for, its drills, then the probes (in that order)."""
+    checkpoints, wanted = spec.checkpoints, spec.callbacks
+    probes = Probes(Recorder(checkpoints.save_at, checkpoints.save_path, checkpoints.rng_probe))
+    callbacks = [probes.recorder, *(_lightning_callbacks(out_dir) if wanted.lightning_callbacks else [])]
+    if checkpoints.model_checkpoint is not None:  # ModelCheckpoint's arguments, dirpath included
+        callbacks.append(ModelCheckpoint(**checkpoints.model_checkpoint))
+    if wanted.flight_recorder is not None:  # FlightRecorder's arguments; dumps go to OUT_DIR/flight_recorder
+        callbacks.append(FlightRecorder(**wanted.flight_recorder))
+    callbacks += _drill_callbacks(spec.drills, out_dir)
+    if wanted.throughput is not None:
+        probes.throughput = Throughput(**wanted.throughput)
+    if wanted.memory_probe_step is not None:
+        probes.memory_probe = MemoryProbe(wanted.memory_probe_step)
+    callbacks += [callback for callback in (probes.throughput, probes.memory_probe) if callback is not None]
+    return callbacks, probes
+
+
+def _patch_checkpoint_io(spec: RunSpec, probes: Probes) -> None:
+    """Log removals and interfere with shard writes, as ``spec`` asks."""
+    drills = spec.drills
+    if spec.checkpoints.log_removals:
+        probes.removal_log = RemovalLog()
+    if drills.slow_writes_s or drills.kill_during_save or drills.disk_full:
+        _interfere_with_writes(drills.slow_writes_s, drills.kill_during_save, drills.disk_full)
+
+
+def _trainer(spec: RunSpec, strategy: Any, callbacks: list[Callback], out_dir: Path) -> L.Trainer:
+    settings = spec.trainer
+    validation_interval = spec.steps if settings.val_every is None else settings.val_every
+    return L.Trainer(
         accelerator=spec.accelerator, devices=spec.devices, num_nodes=spec.num_nodes, strategy=strategy,
-        precision=spec.precision,
-        max_steps=spec.steps, accumulate_grad_batches=spec.accumulate,
-        gradient_clip_val=spec.clip, callbacks=callbacks, logger=False,
-        enable_checkpointing=spec.lightning_callbacks or spec.model_checkpoint is not None,
-        enable_progress_bar=spec.progress_bar,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2 if spec.validate else 0,
+        precision=settings.precision,
+        max_steps=spec.steps, accumulate_grad_batches=settings.accumulate,
+        gradient_clip_val=settings.clip, callbacks=callbacks, logger=False,
+        enable_checkpointing=spec.callbacks.lightning_callbacks or spec.checkpoints.model_checkpoint is not None,
+        enable_progress_bar=settings.progress_bar,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2 if settings.validate else 0,
         limit_test_batches=2, limit_predict_batches=2,
-        val_check_interval=(spec.steps if spec.val_every is None else spec.val_every) if spec.validate else None,
+        val_check_interval=validation_interval if settings.validate else None,
         default_root_dir=str(out_dir),
     )
-    module_cls = SelfShardedLlama if spec.self_sharded else \
-        DefaultPipelineLoss if spec.default_pipeline_loss else LlamaModule
-    model_args = {"lr": spec.lr, "warmup_steps": 2, "decay_steps": 100, "adamw": spec.adamw,
-                  "attention_kernel": spec.attention_kernel, "attention_mask": spec.attention_mask,
+
+
+def _module(spec: RunSpec) -> LlamaModule:
+    """The tiny Llama of ``spec.model`` (its vocabulary the text tokenizer's for text data)."""
+    wanted = spec.model
+    module_cls = SelfShardedLlama if wanted.self_sharded else \
+        DefaultPipelineLoss if wanted.default_pipeline_loss else LlamaModule
+    model_args = {"lr": wanted.lr, "warmup_steps": 2, "decay_steps": 100, "adamw": wanted.adamw,
+                  "attention_kernel": wanted.attention_kernel, "attention_mask": wanted.attention_mask,
                   # the strategy's default pipeline loss takes the last stage's logits (the module says so itself)
-                  **({} if spec.default_pipeline_loss else {"cross_entropy": spec.cross_entropy}),
-                  "loss_chunk_tokens": spec.loss_chunk_tokens}
-    if spec.data == "text":
-        model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "vocab_size": 8448}), **model_args)
+                  **({} if wanted.default_pipeline_loss else {"cross_entropy": wanted.cross_entropy}),
+                  "loss_chunk_tokens": wanted.loss_chunk_tokens}
+    if spec.data.kind == "text":
+        return module_cls(model=LlamaConfig(**{**TINY.__dict__, "vocab_size": 8448}), **model_args)
+    n_layers = TINY.n_layers if wanted.n_layers is None else wanted.n_layers
+    return module_cls(model=LlamaConfig(**{**TINY.__dict__, "n_layers": n_layers, **wanted.config}), **model_args)
+
+
+def _train_loader(spec: RunSpec) -> DataLoader:
+    data = spec.data
+    samples = AffineSequences(data.samples, data.seq_len, TINY.vocab_size, with_ids=data.record_sample_ids,
+                              padded=data.padded_labels, documents=data.documents)
+    if data.kind == "rank_stream":  # a pure data-parallel run: the process's rank is its data-parallel rank
+        stream = RankStream(samples, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        return StatefulLoader(stream, batch_size=spec.batch_size)
+    return DataLoader(samples, batch_size=spec.batch_size)
+
+
+def _fit(trainer: L.Trainer, model: LlamaModule, spec: RunSpec) -> None:
+    resume_from = spec.checkpoints.resume_from
+    if spec.data.kind == "text":
         data = TextDataModule(source="offline", seq_len=32, batch_size=spec.batch_size, val_batches=0)
-        trainer.fit(model, datamodule=data, ckpt_path=spec.resume_from)
+        trainer.fit(model, datamodule=data, ckpt_path=resume_from)
     else:
-        n_layers = TINY.n_layers if spec.n_layers is None else spec.n_layers
-        model = module_cls(model=LlamaConfig(**{**TINY.__dict__, "n_layers": n_layers, **spec.model}), **model_args)
-        samples = AffineSequences(spec.samples, spec.seq_len, TINY.vocab_size, with_ids=spec.record_sample_ids,
-                                  padded=spec.padded_labels, documents=spec.documents)
-        if spec.data == "rank_stream":  # a pure data-parallel run: the process's rank is its data-parallel rank
-            stream = RankStream(samples, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-            loader = StatefulLoader(stream, batch_size=spec.batch_size)
-        else:
-            loader = DataLoader(samples, batch_size=spec.batch_size)
-        trainer.fit(model, train_dataloaders=loader, val_dataloaders=_validation_loader(spec),
-                    ckpt_path=spec.resume_from)
-    result = {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
-              "hook_calls": recorder.hook_calls,
-              "training_mode_after_validation": recorder.training_mode_after_validation,
-              "grads_alive_after_forward": recorder.grads_alive_after_forward,
-              "param_dtypes_in_training": recorder.param_dtypes_in_training,
-              "param_dtypes_after_fit": sorted({str(p.dtype) for p in model.parameters()}),
-              "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step,
-              "batch_rank": trainer.strategy.distributed_sampler_kwargs["rank"] if trainer.world_size > 1 else 0,
-              "callbacks": [type(c).__name__ for c in trainer.callbacks]}
-    if removal_log is not None:
-        result["removals"] = removal_log.removals
-    if spec.record_parameter_digest:  # bitwise: the sha256 of this rank's parameter shards, in order
-        digest = hashlib.sha256()
-        for parameter in model.parameters():
-            local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
-            digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        result["parameter_digest"] = digest.hexdigest()
-    if memory_probe is not None:
-        result["peak_memory_bytes"] = memory_probe.peak_bytes
+        trainer.fit(model, train_dataloaders=_train_loader(spec), val_dataloaders=_validation_loader(spec),
+                    ckpt_path=resume_from)
+
+
+def _fit_record(trainer: L.Trainer, model: LlamaModule, recorder: Recorder) -> dict[str, Any]:
+    """What the recorder saw during fit, and the trainer's state after it."""
+    return {"steps": recorder.steps, "val_losses": recorder.val_losses, "world_size": trainer.world_size,
+            "hook_calls": recorder.hook_calls,
+            "training_mode_after_validation": recorder.training_mode_after_validation,
+            "grads_alive_after_forward": recorder.grads_alive_after_forward,
+            "param_dtypes_in_training": recorder.param_dtypes_in_training,
+            "param_dtypes_after_fit": sorted({str(p.dtype) for p in model.parameters()}),
+            "progress_bar_metrics": sorted(trainer.progress_bar_metrics), "global_step": trainer.global_step,
+            "batch_rank": trainer.strategy.distributed_sampler_kwargs["rank"] if trainer.world_size > 1 else 0,
+            "callbacks": [type(c).__name__ for c in trainer.callbacks]}
+
+
+def _parameter_digest(model: LlamaModule) -> str:
+    """Bitwise: the sha256 of this rank's parameter shards, in order."""
+    digest = hashlib.sha256()
+    for parameter in model.parameters():
+        local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+        digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _probe_record(spec: RunSpec, trainer: L.Trainer, model: LlamaModule, probes: Probes) -> dict[str, Any]:
+    """What the probes ``spec`` asked for found, and what the graphs and best-k checkpoints ended as."""
+    result: dict[str, Any] = {}
+    if probes.removal_log is not None:
+        result["removals"] = probes.removal_log.removals
+    if spec.drills.record_parameter_digest:
+        result["parameter_digest"] = _parameter_digest(model)
+    if probes.memory_probe is not None:
+        result["peak_memory_bytes"] = probes.memory_probe.peak_bytes
     graphed = graphed_call(getattr(model, "model", None))
     if graphed is not None and graphed.replays:  # cuda_graphs=True
         result["graph_replays"] = graphed.replays  # training forwards that replayed the graphs
         result["graphs_released"] = graphed.captured is None  # by the strategy's teardown
-    if throughput is not None:
-        result["throughput"] = [dataclasses.asdict(window) | window.metrics() for window in throughput.windows]
-    if spec.lightning_callbacks:
+    if probes.throughput is not None:
+        result["throughput"] = [dataclasses.asdict(window) | window.metrics() for window in probes.throughput.windows]
+    if spec.callbacks.lightning_callbacks:
         checkpoint = trainer.checkpoint_callback
         result |= {"best_model_score": float(checkpoint.best_model_score),
                    "best_k_models": sorted(Path(path).name for path in checkpoint.best_k_models)}
-    if spec.evaluate:
-        result |= _evaluate(trainer, model, spec)
-    (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-    # Leave together: a rank that tears its gloo connections down while another still talks can make that
-    # one fail (suspected behind a rank-0 SIGABRT seen once in CI, after its results were written).
+    return result
+
+
+def _leave_together() -> None:
+    """A rank that tears its gloo connections down while another still talks can make that one fail (suspected
+    behind a rank-0 SIGABRT seen once in CI, after its results were written)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def main(spec: RunSpec, out_dir: Path) -> None:
+    """Train the tiny Llama as ``spec`` says (then test and predict, if asked) and write this rank's record."""
+    L.seed_everything(spec.seed, verbose=False)
+    strategy = _strategy(spec)
+    callbacks, probes = _callbacks(spec, out_dir)
+    _patch_checkpoint_io(spec, probes)
+    trainer = _trainer(spec, strategy, callbacks, out_dir)
+    model = _module(spec)
+    _fit(trainer, model, spec)
+    result = _fit_record(trainer, model, probes.recorder) | _probe_record(spec, trainer, model, probes)
+    if spec.trainer.evaluate:
+        result |= _evaluate(trainer, model, spec)
+    (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    _leave_together()
 
 
 def _report_failure(error: Exception, out_dir: Path, wait_s: float = 20.0) -> None:
@@ -518,8 +598,8 @@ def run(spec_file: Path, out_dir: Path) -> None:
             faulthandler.dump_traceback_later(spec.stacks_after_s, file=stacks)
             stack.callback(faulthandler.cancel_dump_traceback_later)
         try:
-            if spec.user_module is not None:
-                from tests import user_modules
+            if spec.model.user_module is not None:
+                from tests.support import user_modules
 
                 user_modules.main(spec, out_dir)
             else:

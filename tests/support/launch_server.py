@@ -1,8 +1,8 @@
 """One process per test session that imports the training worker once and starts every launch from a fork.
 
-    python tests/launch_server.py SOCKET_PATH
+    python tests/support/launch_server.py SOCKET_PATH
 
-tests/fork_launch.py shares one import among a launch's ranks, but each launch still starts a fresh
+tests/support/fork_launch.py shares one import among a launch's ranks, but each launch still starts a fresh
 interpreter, and importing torch and Lightning takes about 6 s of one core on CI's 2 cores: over a hundred
 launches made that a third of the suite. Here the import happens once: for each request (one JSON line on
 the Unix socket: nproc, spec file, output folder, working folder, the files for stdout and stderr), the

@@ -1,6 +1,6 @@
-"""Run tests/train_worker.py on N ranks, forked from one process that imported it once.
+"""Run tests/support/train_worker.py on N ranks, forked from one process that imported it once.
 
-    python tests/fork_launch.py NPROC SPEC.json OUT_DIR
+    python tests/support/fork_launch.py NPROC SPEC.json OUT_DIR
 
 torchrun starts every rank as a fresh interpreter, and on CI's 2 cores each spends about 12 s
 importing torch, Lightning and the strategy: most of a small test's time, and 16 x that in the 4-D

@@ -3,19 +3,18 @@ single-process run of the same seed and data (the ``reference_run`` fixture of t
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.run_spec import RunSpec
+from tests.support.run_spec import DataSpec, ModelSpec, RunSpec, TrainerSpec
 
 __all__ = ["BASE_RUN", "FULL_RUN", "GLOBAL_BATCH", "RTOL", "STEPS", "Record", "ReferenceRun",
            "assert_close_per_step", "assert_full_run_matches", "assert_identical_on_all_ranks",
            "assert_resume_continues", "series"]
 
-Record = dict[str, Any]  # what one rank of tests/train_worker.py wrote (rank{N}.json)
+Record = dict[str, Any]  # what one rank of tests/support/train_worker.py wrote (rank{N}.json)
 ReferenceRun = Callable[[RunSpec], Record]  # the ``reference_run`` fixture
 
 STEPS = 10
@@ -25,10 +24,10 @@ RTOL = 1e-5
 # end in uneven tails of -100, so every run that matches it weights each token, not each rank's or microbatch's
 # mean, the same as one process. Its samples hold documents of uneven lengths under the block-causal mask, as
 # pre-training runs: every layout builds the mask and the positions from each microbatch's document ids.
-BASE_RUN = RunSpec(steps=STEPS, batch_size=GLOBAL_BATCH, clip=1.0, padded_labels=True, documents=True,
-                   attention_mask="block_causal")
+BASE_RUN = RunSpec(steps=STEPS, batch_size=GLOBAL_BATCH, trainer=TrainerSpec(clip=1.0),
+                   data=DataSpec(padded_labels=True, documents=True), model=ModelSpec(attention_mask="block_causal"))
 # Trains, validates at steps 5 and 10, then runs trainer.test and trainer.predict (see assert_full_run_matches).
-FULL_RUN = dataclasses.replace(BASE_RUN, validate=True, val_every=5, evaluate=True)
+FULL_RUN = BASE_RUN.with_(trainer={"validate": True, "val_every": 5, "evaluate": True})
 
 
 def series(record: Record, key: str, accumulate: int = 1) -> list[float]:

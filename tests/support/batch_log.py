@@ -1,6 +1,6 @@
 """A callback for runs started through ``titan fit``: per training batch, the logged loss and the ids of the samples
 (``sample_id``) or packed windows (``window_id``) it held, written as ``OUT_DIR/rank{N}.json`` in the format of
-tests/train_worker.py's records (``tests.parity.Record``)."""
+tests/support/train_worker.py's records (``tests.support.parity.Record``)."""
 
 from __future__ import annotations
 
