@@ -8,7 +8,7 @@ gathering its table rows by position as the model does; RMSNorm (``titan_strateg
 against ``rms_norm_in_torch`` compiled) on the 2048-wide hidden state with a bf16 weight. For each it times forward,
 and forward + backward, and prints how many output values differ between the two: for RoPE one bf16 ulp where a
 fused multiply-add rounds once; for RMSNorm about a quarter of them, since inductor scales the normalized rows in
-fp32 where eager torch and the kernel round them to bf16 first (an H100, session 15).
+fp32 where eager torch and the kernel round them to bf16 first (benchmarks/RESULTS.md: 'RMSNorm kernel').
 """
 
 from __future__ import annotations

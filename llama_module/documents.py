@@ -22,16 +22,14 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 
-from titan_strategy.distributed import simulating_ranks
+from titan_strategy import check_choice, simulating_ranks
 
-__all__ = ["ATTENTION_MASKS", "AttentionMask", "DocumentMasking", "RopePositions", "check_document_ids",
+__all__ = ["AttentionMask", "AttentionMaskKind", "DocumentMasking", "RopePositions", "check_document_ids",
            "check_masking", "flex_attention"]
 
 AttentionMask = Tensor | BlockMask
 AttentionMaskKind = Literal["causal", "block_causal"]
-ATTENTION_MASKS: tuple[str, ...] = AttentionMaskKind.__args__
 RopePositions = Literal["document", "window"]
-ROPE_POSITIONS: tuple[str, ...] = RopePositions.__args__
 
 _compiled_flex_attention = torch.compile(_flex_attention, dynamic=False)
 
@@ -45,10 +43,8 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, mask: BlockMask) -
 
 def check_masking(attention_mask: str, rope_positions: str) -> None:
     """A ValueError naming the allowed values, for an unknown mask or RoPE-position rule."""
-    if attention_mask not in ATTENTION_MASKS:
-        raise ValueError(f"attention_mask={attention_mask!r} must be one of {list(ATTENTION_MASKS)}.")
-    if rope_positions not in ROPE_POSITIONS:
-        raise ValueError(f"rope_positions={rope_positions!r} must be one of {list(ROPE_POSITIONS)}.")
+    check_choice("attention_mask", attention_mask, AttentionMaskKind)
+    check_choice("rope_positions", rope_positions, RopePositions)
 
 
 def check_document_ids(document_ids: Tensor | None, input_ids: Tensor | None = None) -> Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -17,23 +18,23 @@ from torch import Tensor, nn
 
 from llama_module.args import LlamaConfig, RopeScaling
 from llama_module.documents import AttentionMask, DocumentMasking, RopePositions, flex_attention
+from titan_strategy import check_choice, choices
 from titan_strategy.kernels import flash_attention4, linear_cross_entropy
 from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
 from titan_strategy.kernels.rms_norm import rms_norm, rms_norm_kernel_takes
 from titan_strategy.kernels.rope import rope_kernel_takes, rotate_pairs
 
-__all__ = ["Llama", "ParamFiller", "check_attention_kernel", "fill_in_place", "rope_table"]
+__all__ = ["AttentionKernel", "Llama", "ParamFiller", "check_attention_kernel", "fill_in_place", "rope_table"]
 
-ATTENTION_KERNELS = ("auto", "sdpa", "fa4", "flex")
+AttentionKernel = Literal["auto", "sdpa", "fa4", "flex"]
 
 
 def check_attention_kernel(kernel: str, attention_mask: str = "causal", resolved: bool = False) -> None:
     """``resolved``: the model's layers take a kernel that runs, not ``auto`` (``LlamaModule`` resolves it)."""
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"attention_kernel={kernel!r} must be one of {list(ATTENTION_KERNELS)}.")
+    check_choice("attention_kernel", kernel, AttentionKernel)
     if resolved and kernel == "auto":
         raise ValueError("attention_kernel='auto' is resolved by LlamaModule on its device; the model takes one of "
-                         f"{list(ATTENTION_KERNELS[1:])}.")
+                         f"{list(choices(AttentionKernel)[1:])}.")
     if kernel == "flex" and attention_mask != "block_causal":
         raise ValueError("attention_kernel='flex' runs the block-causal mask; plain causal attention is faster on "
                          "attention_kernel='sdpa' or 'fa4'. Use attention_mask='block_causal' or another kernel.")

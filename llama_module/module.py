@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -12,12 +12,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from llama_module.args import LlamaConfig, get_flavor
-from llama_module.documents import check_document_ids, check_masking
-from llama_module.model import Llama, check_attention_kernel
+from llama_module.documents import AttentionMaskKind, RopePositions, check_document_ids, check_masking
+from llama_module.model import AttentionKernel, Llama, check_attention_kernel
 from llama_module.plan import llama_plan
 from titan_strategy import (
     ParallelPlan,
     TokenLoss,
+    check_choice,
     count_labelled,
     is_token_weighted,
     log_step_metric,
@@ -25,14 +26,14 @@ from titan_strategy import (
     token_cross_entropy,
     token_mean,
 )
-from titan_strategy.kernels import ADAMW_KERNELS, build_adamw, check_flash_attention4
+from titan_strategy.kernels import AdamWKernel, build_adamw, check_flash_attention4
 from titan_strategy.kernels.flash_attention4 import FA4_MIN_CAPABILITY, flash_attention4_installed
 from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
 
 __all__ = ["LlamaModule"]
 
 Batch = dict[str, Tensor]
-CROSS_ENTROPY = ("chunked", "logits")
+CrossEntropy = Literal["chunked", "logits"]
 
 
 class LlamaModule(L.LightningModule):
@@ -79,9 +80,9 @@ class LlamaModule(L.LightningModule):
     def __init__(self, model: str | LlamaConfig | dict[str, Any] = "debug", vocab_size: int | None = None,
                  max_seq_len: int | None = None, lr: float = 8e-4, betas: tuple[float, float] = (0.9, 0.95),
                  weight_decay: float = 0.1, warmup_steps: int = 200, decay_steps: int | None = None,
-                 min_lr_ratio: float = 0.1, adamw: str = "auto", attention_kernel: str = "auto",
-                 attention_mask: str = "causal", rope_positions: str = "document",
-                 cross_entropy: str = "chunked", loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+                 min_lr_ratio: float = 0.1, adamw: AdamWKernel = "auto", attention_kernel: AttentionKernel = "auto",
+                 attention_mask: AttentionMaskKind = "causal", rope_positions: RopePositions = "document",
+                 cross_entropy: CrossEntropy = "chunked", loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         super().__init__()
         config = get_flavor(model) if isinstance(model, str) else LlamaConfig.from_dict(model) \
             if isinstance(model, dict) else model
@@ -89,8 +90,7 @@ class LlamaModule(L.LightningModule):
         self.config = dataclasses.replace(config, **overrides)
         check_masking(attention_mask, rope_positions)
         check_attention_kernel(attention_kernel, attention_mask)
-        if cross_entropy not in CROSS_ENTROPY:
-            raise ValueError(f"cross_entropy={cross_entropy!r} must be one of {list(CROSS_ENTROPY)}.")
+        check_choice("cross_entropy", cross_entropy, CrossEntropy)
         if loss_chunk_tokens < 1:
             raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 1.")
         overridden = [name for name in ("compute_loss", "pipeline_loss")
@@ -99,18 +99,12 @@ class LlamaModule(L.LightningModule):
             raise ValueError(f"{type(self).__name__} overrides {' and '.join(overridden)}, which "
                              "cross_entropy='chunked' never calls on logits (the output projection computes the loss "
                              "itself). Pass cross_entropy='logits' to train on your loss.")
-        if adamw not in ADAMW_KERNELS:
-            raise ValueError(f"adamw={adamw!r} must be one of {list(ADAMW_KERNELS)}.")
+        check_choice("adamw", adamw, AdamWKernel)
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and min_lr_ratio={min_lr_ratio} in [0, 1].")
-        # Plain values only, so checkpoints load with torch.load(weights_only=True).
-        self.save_hyperparameters({"model": model if isinstance(model, str) else dataclasses.asdict(config),
-                                   "vocab_size": vocab_size, "max_seq_len": max_seq_len, "lr": lr, "betas": list(betas),
-                                   "weight_decay": weight_decay, "warmup_steps": warmup_steps,
-                                   "decay_steps": decay_steps, "min_lr_ratio": min_lr_ratio,
-                                   "adamw": adamw, "attention_kernel": attention_kernel,
-                                   "attention_mask": attention_mask, "rope_positions": rope_positions,
-                                   "cross_entropy": cross_entropy, "loss_chunk_tokens": loss_chunk_tokens})
+        self.save_hyperparameters()
+        # Plain values only, so that checkpoints load with torch.load(weights_only=True): a LlamaConfig as its dict.
+        self.hparams.update(model=model if isinstance(model, str) else dataclasses.asdict(config), betas=list(betas))
         self.adamw = adamw
         self.attention_kernel = attention_kernel
         self.attention_mask = attention_mask
