@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -33,10 +33,12 @@ from torch.distributed.tensor import DTensor
 
 from titan_strategy.distributed import simulating_ranks
 from titan_strategy.gpu import TRITON_INSTALLED
+from titan_strategy.knobs import choices
 
-__all__ = ["ADAMW_KERNELS", "TritonAdamW", "build_adamw"]
+__all__ = ["ADAMW_KERNELS", "AdamWKernel", "TritonAdamW", "build_adamw"]
 
-ADAMW_KERNELS = ("auto", "triton", "fused", "foreach")
+AdamWKernel = Literal["auto", "triton", "fused", "foreach"]
+ADAMW_KERNELS: tuple[str, ...] = choices(AdamWKernel)
 
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
