@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from titan_strategy import ELASTIC_POSITION_KEY
 
 if TYPE_CHECKING:
-    from llama_module.data import PackedWindows
+    from llama_module.packed_windows import PackedWindows
 
 __all__ = ["GlobalWindows", "ResumableLoader"]
 

@@ -12,7 +12,8 @@ import datasets
 import pytest
 import torch
 
-from llama_module.data import OFFLINE_CORPUS, PackedWindows, TextDataModule, load_documents, offline_corpus_texts
+from llama_module.data import OFFLINE_CORPUS, TextDataModule, load_documents, offline_corpus_texts
+from llama_module.packed_windows import PackedWindows
 from llama_module.tokenizer import Tokenizer
 from llama_module.window_order import ResumableLoader
 from titan_strategy import ELASTIC_POSITION_KEY

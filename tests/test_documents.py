@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 from llama_module import LlamaModule
 from llama_module.args import LlamaConfig
-from llama_module.data import packed_window
 from llama_module.model import Llama
+from llama_module.packed_windows import packed_window
 from tests.conftest import launch
 from tests.support.run_spec import DataSpec, ModelSpec, RunSpec
 from titan_strategy.parallelize.activation_checkpoint import apply_ac
