@@ -1,5 +1,6 @@
-"""TitanStrategy: Lightning lifecycle glue. Knobs, meshes, parallelization, per-step work and checkpoints live
-elsewhere (``config``, ``distributed``, ``parallelize``, ``runtime``, ``precision``, ``checkpoint``)."""
+"""TitanStrategy: Lightning lifecycle glue. Knobs (``config``), process groups (``distributed``), parallelization
+(``parallelize``), per-step work (``runtime``), precision (``precision``), checkpoints (``checkpoint``) and what a run
+carries between checkpoints (``run_state``) live elsewhere."""
 
 from __future__ import annotations
 
@@ -404,7 +405,7 @@ class TitanStrategy(MeshCollectives):
                         storage_options: Any | None = None) -> None:
         self._run_state.save(checkpoint)
         whole_callback_tensors(checkpoint)
-        if not self.config.checkpoint.distributed:  # rank 0 holds the whole state (full_model_state)
+        if not self.config.checkpoint.distributed:  # rank 0 holds the whole state (either_form.model_state)
             if self.is_global_zero:
                 TorchCheckpointIO().save_checkpoint(checkpoint, filepath, storage_options)
             self.barrier()
