@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import ast
-import dataclasses
 import typing
 from pathlib import Path
 
 import pytest
 
-from titan_strategy.config import TitanConfig, knob_names
+from titan_strategy.config import TitanConfig, knob_fields, knob_names
 from titan_strategy.knob_reference import field_docstrings, knob_reference
 from titan_strategy.knobs import KNOB
 
@@ -125,8 +124,7 @@ def test_configs_import_no_runtime_code() -> None:
 def test_every_knob_is_described_once_in_its_field_and_the_reference_is_current() -> None:
     for feature in typing.get_type_hints(TitanConfig).values():
         docs = field_docstrings(feature)
-        undescribed = [f.metadata[KNOB] for f in dataclasses.fields(feature)
-                       if KNOB in f.metadata and f.name not in docs]
+        undescribed = [f.metadata[KNOB] for f in knob_fields(feature) if f.name not in docs]
         assert undescribed == [], f"{feature.__name__}: give these knobs a docstring under their field"
     reference = (ROOT / "docs" / "knobs.md").read_text()
     assert reference == knob_reference(), "stale: python -m titan_strategy.knob_reference > docs/knobs.md"

@@ -11,7 +11,7 @@ import textwrap
 import typing
 from typing import Any
 
-from titan_strategy.config import TitanConfig
+from titan_strategy.config import TitanConfig, knob_fields
 from titan_strategy.knobs import KNOB, choices
 
 __all__ = ["field_docstrings", "knob_reference"]
@@ -62,11 +62,10 @@ def knob_reference() -> str:
         feature = typing.get_type_hints(TitanConfig)[feature_field.name]
         hints, docs = typing.get_type_hints(feature), field_docstrings(feature)
         rows = ["| knob | values | default | what it does |", "|---|---|---|---|"]
-        for field in dataclasses.fields(feature):
-            if KNOB in field.metadata:
-                description = docs[field.name].replace("|", "\\|")
-                rows.append(f"| `{field.metadata[KNOB]}` | {_type_text(hints[field.name])} | `{field.default!r}` | "
-                            f"{description} |")
+        for field in knob_fields(feature):
+            description = docs[field.name].replace("|", "\\|")
+            rows.append(f"| `{field.metadata[KNOB]}` | {_type_text(hints[field.name])} | `{field.default!r}` | "
+                        f"{description} |")
         summary = " ".join(inspect.getdoc(feature).split())
         title = _TITLES.get(feature_field.name, feature_field.name.replace("_", " ").capitalize())
         sections.append(f"## {title} (`{feature.__name__}`)\n\n"

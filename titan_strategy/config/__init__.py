@@ -89,7 +89,7 @@ class TitanConfig:
         unknown = set(knobs) - set(knob_names())
         if unknown:
             raise TypeError(f"TitanStrategy has no knob {sorted(unknown)}; the knobs are {sorted(knob_names())}.")
-        features = {name: feature(**{f.name: knobs[f.metadata[KNOB]] for f in _knob_fields(feature)
+        features = {name: feature(**{f.name: knobs[f.metadata[KNOB]] for f in knob_fields(feature)
                                      if f.metadata[KNOB] in knobs})
                     for name, feature in _features().items()}
         # The pipeline's rules need its degree, a knob of the mesh.
@@ -108,7 +108,7 @@ class TitanConfig:
         flat = {}
         for name in _features():
             feature = getattr(self, name)
-            flat |= {f.metadata[KNOB]: getattr(feature, f.name) for f in _knob_fields(type(feature))}
+            flat |= {f.metadata[KNOB]: getattr(feature, f.name) for f in knob_fields(type(feature))}
         return flat
 
     def check_job(self) -> None:
@@ -138,20 +138,15 @@ def _features() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(TitanConfig)}
 
 
-def _knob_fields(feature: type) -> list[dataclasses.Field]:
+def knob_fields(feature: type) -> list[dataclasses.Field]:
     """The fields of a feature config that hold a knob (a field such as the pipeline's degree holds another
     feature's knob, set from it)."""
     return [f for f in dataclasses.fields(feature) if KNOB in f.metadata]
 
 
-def knob_fields() -> dict[str, dataclasses.Field]:
-    """Every flat TitanStrategy knob, by name, with the field that describes it, in feature order."""
-    return {f.metadata[KNOB]: f for feature in _features().values() for f in _knob_fields(feature)}
-
-
 def knob_names() -> tuple[str, ...]:
     """Every flat TitanStrategy knob, once each, in feature order."""
-    return tuple(knob_fields())
+    return tuple(f.metadata[KNOB] for feature in _features().values() for f in knob_fields(feature))
 
 
 # Also the capacity planner's rules (a layout it proposes must be one the strategy runs).
