@@ -192,7 +192,7 @@ def test_a_plain_modules_blocks_are_found_without_the_user() -> None:
     import torch
     from torch import nn
 
-    from titan_strategy.parallelize.plain import repeated_blocks
+    from titan_strategy.parallelize.blocks import repeated_blocks
 
     class Block(nn.Module):
         def __init__(self) -> None:

@@ -68,6 +68,9 @@ class PipelinePlan:
             steps would have logged; PP refuses a plan without it.
         boundary_width: width of the hidden state one stage hands the next, ``(batch, seq, boundary_width)``.
             Only ``titan rehearse`` reads it: a rehearsed rank has no neighbour stage to tell it that shape.
+        stage_forward: ``(stage, input, **stage_inputs) -> output``, what a stage runs in place of the model's
+            ``forward`` (None: the model's own ``forward`` skips the parts a stage lacks); for a model whose forward
+            cannot, such as a transformers one.
     """
 
     first_stage: tuple[str, ...]
@@ -77,6 +80,7 @@ class PipelinePlan:
     loss_inputs: Callable[[Any], dict[str, Tensor]] = lambda batch: {}
     log_loss: Callable[[str, Tensor], None] | None = None
     boundary_width: int | None = None
+    stage_forward: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,8 @@ class TitanStrategy(MeshCollectives):
         if self._set_up_module is module:
             return
         precision.convert_module(module)
-        plan = plan_of(module, self.parallel_dims, self.root_device)
+        plan = plan_of(module, self.parallel_dims, self.root_device,
+                       sequence_parallel=self.config.tensor_parallel.sequence_parallel)
         if plan is not None:
             self.runtime = self._parallelize(plan, pipeline_loss=getattr(module, "pipeline_loss", None))
         check_gradients_are_synchronized(module, self.device_mesh["batch"])

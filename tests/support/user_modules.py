@@ -3,8 +3,8 @@ tiny transformers causal LMs), under TitanStrategy or Lightning's DDP: ``RunSpec
 tests/support/train_worker.py hands such a spec to ``main`` here.
 
 ``user_module`` keys (all but ``kind`` optional):
-    kind: "mlp" (an ``nn.Module`` stack in a ModuleList), "boring" (Lightning's BoringModel), "llama", "qwen2" or
-        "qwen2_tied" (``hf_model``);
+    kind: "mlp" (an ``nn.Module`` stack in a ModuleList), "boring" (Lightning's BoringModel), or one of
+        ``HF_KINDS`` (``hf_model``), fed transformers-style labels (``NextTokenLabels``);
         "tiny_llama" is this project's LlamaModule (it declares a plan), for checkpoints exchanged with DDP.
     build: "init" (in ``__init__``), "configure_model", or "init_module" (``__init__`` under
         ``trainer.init_module(empty_init=False)``, every weight then filled with 0.5); for "mlp", "shard_one_block"
@@ -19,7 +19,9 @@ tests/support/train_worker.py hands such a spec to ``main`` here.
 ``RunSpec.checkpoints.save_at``/``save_path``: ``trainer.save_checkpoint`` after that step.
 
 Each rank's record: ``losses`` (each step's loss, averaged over the data-parallel ranks), ``weights_at_start`` and
-``weights`` (each parameter's full sum and sum of squares at ``on_train_start`` and after fit), ``param_dtypes``,
+``weights`` (each parameter's full sum and sum of squares at ``on_train_start`` and after fit), ``numels``,
+``local_numel`` (the elements of this rank's parameter shards), ``seen_seq_len`` (the sequence length a training step
+saw), ``param_dtypes``,
 ``warnings`` (TitanStrategy's about plain means of padded labels). ``RunSpec.data.padded_labels`` pads the labels.
 """
 
@@ -27,12 +29,14 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import pickle
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
@@ -46,19 +50,47 @@ from tests.support.run_spec import RunSpec
 from titan_strategy import TitanStrategy
 
 VOCAB = 256
-HF_SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+HF_SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 
 
-def hf_model(kind: str) -> nn.Module:
-    """A random tiny transformers causal LM of ``kind`` ("llama", "qwen2", or "qwen2_tied": its output projection
-    is its token embedding, as in the small Qwen2 models), on the current default device."""
+HF_KINDS = ("llama", "qwen2", "qwen2_tied", "qwen3", "mistral")
+
+
+def hf_config(kind: str) -> Any:
+    """The tiny transformers config of ``kind``: "llama", "qwen2" (q/k/v biases), "qwen2_tied" (its output
+    projection is its token embedding, as in the small Qwen2 models), "qwen3" (per-head q/k norms) or "mistral"
+    (a sliding window, longer than the test sequences)."""
     import transformers
 
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_SHAPE))
-    config = transformers.Qwen2Config(**HF_SHAPE, tie_word_embeddings=kind == "qwen2_tied")
-    return transformers.Qwen2ForCausalLM(config)
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+              "qwen2_tied": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+              "mistral": transformers.MistralConfig}[kind]
+    extra = {"tie_word_embeddings": kind == "qwen2_tied"} if kind.startswith("qwen") else {}
+    return config(**HF_SHAPE, **extra)
+
+
+def hf_model(kind: str) -> nn.Module:
+    """A random tiny transformers causal LM of ``kind`` (``hf_config``), on the current default device."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(hf_config(kind))
+
+
+class NextTokenLabels(torch.utils.data.Dataset):
+    """AffineSequences with labels in transformers' convention: each position's own token (the model shifts them),
+    -100 where AffineSequences' next-token labels are -100 (the first position keeps its token)."""
+
+    def __init__(self, samples: torch.utils.data.Dataset) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = self.samples[index]
+        labels = torch.cat([sample["input_ids"][:1], sample["labels"][:-1]])
+        return {**sample, "labels": labels}
 
 
 class CausalLM(L.LightningModule):
@@ -81,10 +113,8 @@ class CausalLM(L.LightningModule):
             self.model = hf_model(self.kind)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        # transformers shifts the labels itself: position t's label is the batch's label of position t - 1 (the
-        # input itself where nothing is padded), so -100 labels stay where the batch put them.
-        labels = torch.cat([batch["input_ids"][:, :1], batch["labels"][:, :-1]], dim=1)
-        loss = self.model(input_ids=batch["input_ids"], labels=labels).loss
+        self.seen_seq_len = batch["input_ids"].shape[1]  # 1/cp of the sequence under context parallelism
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         if self.logs:
             self.log("train_loss", loss)
         return loss
@@ -147,15 +177,31 @@ def weight_sums(module: nn.Module) -> dict[str, list[float]]:
     return sums
 
 
+def assert_same_weights(record: dict[str, Any], reference: dict[str, Any], rtol: float = 1e-5) -> None:
+    """Every parameter the record holds ends as the reference's, each element within ``rtol`` of its size: its sum
+    within ``rtol`` x the sum of its elements' sizes (at most sqrt(numel x sum of squares); a sum alone cancels,
+    and would compare rounding), its sum of squares within 2 ``rtol`` of itself. A key's bias is skipped: softmax
+    ignores what it adds to all of a query's scores, so its gradient is rounding noise, which Adam turns into
+    full-size steps that differ with the summation order."""
+    for name, (total, squares) in record["weights"].items():
+        if name.endswith("k_proj.bias"):
+            continue
+        ref_total, ref_squares = reference["weights"][name]
+        assert abs(total - ref_total) <= rtol * math.sqrt(reference["numels"][name] * ref_squares) + 1e-12, name
+        assert squares == pytest.approx(ref_squares, rel=2 * rtol, abs=1e-12), name
+
+
 class Recorder(Callback):
     def __init__(self, save_at: int | None, save_path: str | None) -> None:
         self.losses: list[float] = []
         self.weights_at_start: dict[str, list[float]] = {}
+        self.local_numel = 0
         self.mesh: dict[str, Any] = {}
         self.save_at, self.save_path = save_at, save_path
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.weights_at_start = weight_sums(pl_module)
+        self.local_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in pl_module.parameters())
         if isinstance(trainer.strategy, TitanStrategy):  # what code written for ModelParallelStrategy relies on
             mesh = pl_module.device_mesh
             self.mesh = {"is_device_mesh": isinstance(mesh, DeviceMesh), "names": list(mesh.mesh_dim_names),
@@ -221,7 +267,9 @@ def main(spec: RunSpec, out_dir: Path) -> None:
     module = _module(options, trainer)
     from tests.support.train_worker import AffineSequences
 
-    samples = AffineSequences(spec.data.samples, spec.data.seq_len, VOCAB, padded=spec.data.padded_labels)
+    samples: Any = AffineSequences(spec.data.samples, spec.data.seq_len, VOCAB, padded=spec.data.padded_labels)
+    if options["kind"] in HF_KINDS:  # transformers shifts the labels itself
+        samples = NextTokenLabels(samples)
     loader = DataLoader(samples, batch_size=spec.batch_size)
     if options.get("validate_from"):
         [validated] = trainer.validate(module, loader, ckpt_path=options["validate_from"], verbose=False)
@@ -232,7 +280,9 @@ def main(spec: RunSpec, out_dir: Path) -> None:
         trainer.fit(module, loader, ckpt_path=spec.checkpoints.resume_from)
     record = {"warnings": [str(warning.message) for warning in caught if "plain mean" in str(warning.message)],
               "losses": recorder.losses, "weights_at_start": recorder.weights_at_start,
-              "weights": weight_sums(module), "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+              "weights": weight_sums(module), "numels": {name: p.numel() for name, p in module.named_parameters()},
+              "local_numel": recorder.local_numel, "seen_seq_len": getattr(module, "seen_seq_len", None),
+              "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
               "global_step": trainer.global_step, "mesh": recorder.mesh}
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
     if dist.is_initialized():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import types
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,6 +100,9 @@ is initialized by ``plan.init_weights``; tensors it arrived with keep their valu
         assert plan.pipeline is not None
         per_stage = stage_module_names(plan.blocks, plan.pipeline, layout)
         parts = split_for_rank(plan.model, per_stage, layout.stages_of(mesh["pp"].get_local_rank()))
+        if plan.pipeline.stage_forward is not None:
+            for part in parts:  # its hooks (FSDP's among them) stay the module's
+                part.forward = types.MethodType(plan.pipeline.stage_forward, part)
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.hsdp_enabled else mesh["dp_shard_cp"]
     # Under PP every stage runs several microbatch forwards before their backwards; resharding after
     # each would all-gather the same weights once per microbatch, so "default" keeps them gathered.

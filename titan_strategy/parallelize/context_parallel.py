@@ -39,7 +39,8 @@ from titan_strategy.config.context_parallel import RotateMethod
 from titan_strategy.distributed import per_simulated_rank, simulating_ranks
 from titan_strategy.plan import ContextParallelPlan
 
-__all__ = ["SequenceSharder", "apply_cp", "check_cp_plan", "check_cp_sequence_length", "ring_attention"]
+__all__ = ["SequenceSharder", "apply_cp", "check_cp_plan", "check_cp_sequence_length", "load_balanced_shard",
+           "ring_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,8 @@ def ring_attention(rotate_method: RotateMethod) -> Generator[None, None, None]:
 # ---- per step: the batch, the buffers, the predictions -------------------------------------------
 
 @per_simulated_rank
-def _load_balanced_shard(tensor: Tensor, rank: int, size: int, dim: int) -> Tensor:
+def load_balanced_shard(tensor: Tensor, rank: int, size: int, dim: int) -> Tensor:
+    """CP rank ``rank``'s tokens of ``tensor``: chunks ``rank`` and ``2 * size - 1 - rank`` of ``dim``."""
     chunks = tensor.chunk(2 * size, dim=dim)
     return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
 
@@ -224,7 +226,7 @@ class SequenceSharder:
 
     def shard(self, tensor: Tensor, dim: int) -> Tensor:
         """This rank's tokens of ``tensor``: chunks ``r`` and ``2 * cp - 1 - r`` of ``dim``."""
-        return _load_balanced_shard(tensor, self._rank, self._size, dim)
+        return load_balanced_shard(tensor, self._rank, self._size, dim)
 
     def gather(self, tensor: Tensor, dim: int) -> Tensor:
         """The inverse of ``shard`` across the CP ranks: every rank gets the whole sequence, in order (no autograd)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -125,8 +126,9 @@ def _pretrained_owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
 class OwnInitializer:
     """How one module initializes the tensors of its own that were built on the meta device (``names``): its
     ``reset_parameters()``, then its transformers model's ``_init_weights``, where it has them; the order an eager
-    build runs them in (constructor, then ``post_init``)."""
+    build runs them in (constructor, then ``post_init``). ``path`` is the module's name in the model."""
 
+    path: str
     module: nn.Module
     names: tuple[str, ...]
     steps: tuple[Callable[[], None], ...]
@@ -148,7 +150,7 @@ def own_initializers(model: nn.Module) -> list[OwnInitializer]:
         if module in owners:
             steps.append(functools.partial(owners[module]._init_weights, module))
         if steps:
-            chosen.append(OwnInitializer(module, names, tuple(steps)))
+            chosen.append(OwnInitializer(name, module, names, tuple(steps)))
         else:
             missing.append(f"{name or '<root>'} ({type(module).__name__})")
     if missing:
@@ -162,8 +164,9 @@ def own_initializers(model: nn.Module) -> list[OwnInitializer]:
 
 def run_initializers(initializers: list[OwnInitializer], seed: int, fill: ParamFiller) -> None:
     """``init_weights`` of a model initialized by its own modules: each sees full-size parameters (``fill`` writes
-    them into the shards), and the random numbers come from ``seed`` alone, so every layout gets the same weights
-    and the training's random state is left as it was.
+    them into the shards), and its random numbers come from ``seed`` and its name alone, so every layout gets the
+    same weights (a pipeline stage initializes only the modules it holds) and the training's random state is left
+    as it was.
 
     Raises:
         TypeError: a floating-point tensor that no initializer wrote (a module of a transformers model whose
@@ -174,8 +177,8 @@ def run_initializers(initializers: list[OwnInitializer], seed: int, fill: ParamF
                       if p.device.type == "cuda"})
     unwritten = []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
         for init in initializers:
+            torch.manual_seed(seed + zlib.crc32(init.path.encode()))
             with _full_size_parameters(init.module, fill):
                 own = {name: t for name, t in _tensors(init.module, recurse=False)
                        if name in init.names and t.is_floating_point()}

@@ -14,46 +14,18 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titan_strategy.config.mesh import ParallelDims
+from titan_strategy.parallelize.blocks import repeated_blocks
+from titan_strategy.parallelize.hf_causal_lm import causal_lm_in, hf_causal_lm_plan
 from titan_strategy.parallelize.materialize import materialize_with_own_initializers, own_initializers, run_initializers
 from titan_strategy.plan import ParallelPlan, PlannedModule
 
-__all__ = ["check_gradients_are_synchronized", "is_self_parallelized", "plain_plan", "repeated_blocks"]
-
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
+__all__ = ["check_gradients_are_synchronized", "is_self_parallelized", "plain_plan", "plan_of"]
 
 def is_self_parallelized(module: nn.Module) -> bool:
     """Whether ``configure_model`` parallelized the module itself (ModelParallelStrategy style): it holds FSDP
     modules or DTensor parameters."""
     return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
         isinstance(p, DTensor) for p in module.parameters())
-
-
-def _holds_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
-
-
-def repeated_blocks(module: nn.Module) -> tuple[str, ...]:
-    """The names of the module's repeated blocks, outermost first found, in module order: the classes a
-    transformers model names in ``_no_split_modules`` (its decoder layers), and the children of a ``ModuleList``,
-    ``ModuleDict`` or ``Sequential`` that are two or more of one class holding parameters. A block's own
-    submodules are never blocks too."""
-    no_split = {name for m in module.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
-    blocks: list[str] = []
-
-    def inside_a_block(name: str) -> bool:
-        return any(name == block or name.startswith(block + ".") for block in blocks)
-
-    for name, submodule in module.named_modules():
-        if not name or inside_a_block(name):
-            continue
-        if type(submodule).__name__ in no_split:
-            blocks.append(name)
-        elif isinstance(submodule, _CONTAINERS):
-            children = list(submodule.named_children())
-            if len(children) > 1 and len({type(c) for _, c in children}) == 1 and _holds_parameters(children[0][1]):
-                blocks.extend(f"{name}.{child}" for child, _ in children)
-    return tuple(blocks)
 
 
 def _refuse_unplanned_degrees(module: nn.Module, dims: ParallelDims) -> None:
@@ -83,15 +55,18 @@ def plain_plan(module: nn.Module, dims: ParallelDims) -> ParallelPlan:
                         init_weights=functools.partial(run_initializers, own_initializers(module)), blocks=blocks)
 
 
-def plan_of(module: nn.Module, dims: ParallelDims, device: torch.device) -> ParallelPlan | None:
-    """The plan a LightningModule is parallelized from: its own ``parallel_plan()``, or the one derived for a plain
-    module. A module that parallelized itself gets none: it is only materialized, by its own initializers, as
-    Lightning does."""
+def plan_of(module: nn.Module, dims: ParallelDims, device: torch.device, *,
+            sequence_parallel: bool) -> ParallelPlan | None:
+    """The plan a LightningModule is parallelized from: its own ``parallel_plan()``; the one derived for the
+    transformers causal LM it holds (``hf_causal_lm``); or the one derived for a plain module. A module that
+    parallelized itself gets none: it is only materialized, by its own initializers, as Lightning does."""
     if isinstance(module, PlannedModule):
         return module.parallel_plan()
     if is_self_parallelized(module):
         materialize_with_own_initializers(module, device)
         return None
+    if (found := causal_lm_in(module)) is not None:
+        return hf_causal_lm_plan(module, found[1], dims, sequence_parallel=sequence_parallel)
     return plain_plan(module, dims)
 
 

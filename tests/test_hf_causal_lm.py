@@ -1,0 +1,72 @@
+"""Transformers causal LMs that a user's LightningModule holds, with no plan and no parallelism of its own, under
+every degree TitanStrategy derives for them (``parallelize/hf_causal_lm.py``): each layout trains as one process
+does on the same global batch, with the same weights at the end, and really shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import launch
+from tests.support.run_spec import DataSpec, RunSpec
+from tests.support.user_modules import assert_same_weights
+
+pytestmark = pytest.mark.multiprocess
+transformers = pytest.importorskip("transformers")
+
+GLOBAL_BATCH = 8
+RUN = RunSpec(steps=4, batch_size=GLOBAL_BATCH, data=DataSpec(samples=64, seq_len=32))
+
+
+def _run(tmp_path: Path, env: dict[str, str], nproc: int, name: str, strategy: dict[str, Any],
+         spec: RunSpec = RUN, **user_module: Any) -> list[dict[str, Any]]:
+    """``spec`` on ``nproc`` processes with the global batch split over the data-parallel ranks."""
+    model_ranks = (strategy.get("tensor_parallel_size", 1) * strategy.get("pipeline_parallel_size", 1)
+                   * strategy.get("context_parallel_size", 1))
+    spec = spec.with_(batch_size=spec.batch_size // (nproc // model_ranks), trainer={"strategy": strategy},
+                      model={"user_module": user_module})
+    return launch(nproc, spec, tmp_path / name, env)
+
+
+def _assert_same_run(records: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    """Every rank logged the reference's losses; every weight a rank holds ends as the reference's; the ranks
+    together hold every weight."""
+    for record in records:
+        torch.testing.assert_close(record["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+        assert_same_weights(record, reference)
+    assert reference["losses"][-1] < reference["losses"][0]
+    assert set().union(*(record["weights"] for record in records)) == set(reference["weights"])
+
+
+LAYOUTS = {
+    "tp2": (2, {"tensor_parallel_size": 2}),
+    "dp2_tp2": (4, {"tensor_parallel_size": 2}),
+    "tp2_no_sp": (2, {"tensor_parallel_size": 2, "sequence_parallel": False, "loss_parallel": False}),
+    "pp2_1f1b": (2, {"pipeline_parallel_size": 2, "pipeline_schedule": "1F1B"}),
+    "pp2_interleaved": (2, {"pipeline_parallel_size": 2, "pipeline_schedule": "Interleaved1F1B"}),
+    "cp2": (2, {"context_parallel_size": 2}),
+    "pp2_dp2_tp2": (8, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}),
+}
+
+
+@pytest.mark.parametrize(("kind", "layout"), [
+    ("llama", "tp2"), ("qwen2", "dp2_tp2"), ("qwen3", "tp2"), ("qwen2_tied", "tp2_no_sp"),
+    ("mistral", "pp2_1f1b"), ("qwen3", "pp2_interleaved"), ("llama", "cp2"), ("qwen2", "cp2"),
+    ("llama", "pp2_dp2_tp2"),
+])
+def test_a_transformers_model_trains_as_one_process_on_every_layout(kind: str, layout: str, tmp_path: Path,
+                                                                     test_env: dict[str, str]) -> None:
+    nproc, strategy = LAYOUTS[layout]
+    one = _run(tmp_path, test_env, 1, "one", {}, kind=kind, build="configure_model")[0]
+    many = _run(tmp_path, test_env, nproc, "many", strategy, kind=kind, build="configure_model")
+    _assert_same_run(many, one)
+    # Each rank holds about 1/model-degree of the weights (FSDP shards what TP and PP leave over every other rank),
+    # plus the norms TP replicates; CP ranks see 1/cp of each sequence.
+    total = sum(one["numels"].values())
+    assert all(record["local_numel"] <= 0.56 * total * 2 / nproc for record in many)
+    cp = strategy.get("context_parallel_size", 1)
+    if "pipeline_parallel_size" not in strategy:
+        assert all(record["seen_seq_len"] == RUN.data.seq_len // cp for record in many)
