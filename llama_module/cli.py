@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+import lightning as L
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -40,8 +41,9 @@ class _KeepsLineBreaks(DefaultHelpFormatter):
 
 class TitanCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # The model's vocabulary follows the tokenizer unless the YAML sets model.vocab_size.
-        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.set_defaults({"model": {"class_path": f"{LlamaModule.__module__}.{LlamaModule.__name__}"}})
+        # The model's vocabulary follows the tokenizer unless the YAML sets model.init_args.vocab_size.
+        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
         # typing.Optional, not `str | None`: a runtime value handed to jsonargparse, and the two are different objects.
         parser.add_argument("--plan_check", type=Optional[str], default=None,  # noqa: UP045
                             help="a GPU kind (H100, H200, ...): before anything starts, check that the layout runs "
@@ -77,7 +79,8 @@ def main() -> None:
         from llama_module.rehearse_cli import main as rehearse
 
         raise SystemExit(rehearse(sys.argv[2:]))
-    TitanCLI(LlamaModule, TextDataModule, seed_everything_default=0,
+    # Any LightningModule by class_path (llama_module.CausalLM for transformers models); LlamaModule without one.
+    TitanCLI(L.LightningModule, TextDataModule, subclass_mode_model=True, seed_everything_default=0,
              parser_kwargs={"description": DESCRIPTION, "epilog": OTHER_COMMANDS, "formatter_class": _KeepsLineBreaks})
 
 

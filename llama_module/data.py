@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from llama_module.packed_windows import PackedWindows
-from llama_module.tokenizer import Tokenizer
+from llama_module.tokenizer import load_tokenizer
 from llama_module.window_order import GlobalWindows, ResumableLoader
 
 if TYPE_CHECKING:  # datasets (with pyarrow and pandas) takes a second to import: done where documents load
@@ -99,7 +99,8 @@ class TextDataModule(L.LightningDataModule):
         batch_size: windows per batch on each data-parallel rank. The first run's global batch
             (``batch_size`` x data-parallel ranks) fixes the order of the training windows for good: a
             resumed run continues in it on any layout and global batch (``window_order.py``).
-        tokenizer: path of a tiktoken BPE file (Llama 3's tokenizer.model); None: the built-in 8k BPE.
+        tokenizer: path of a tiktoken BPE file (Llama 3's tokenizer.model), or a transformers model directory (its
+            tokenizer, for ``CausalLM(pretrained=...)``); None: the built-in 8k BPE.
         val_source: documents for validation; None: the offline corpus's held-out split, C4's
             validation split, or no validation for local files.
         val_batches: validation batches per rank and validation run.
@@ -126,7 +127,7 @@ class TextDataModule(L.LightningDataModule):
         self.text_field = text_field
         self.seed = seed
         self.mask_boundary_labels = mask_boundary_labels
-        self.tokenizer = Tokenizer(tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer)
         self._train: GlobalWindows | None = None
 
     @property

@@ -30,7 +30,7 @@ from titan_strategy.kernels import AdamWKernel, build_adamw, check_flash_attenti
 from titan_strategy.kernels.flash_attention4 import FA4_MIN_CAPABILITY, flash_attention4_installed
 from titan_strategy.kernels.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
 
-__all__ = ["LlamaModule"]
+__all__ = ["LlamaModule", "warmup_cosine"]
 
 Batch = dict[str, Tensor]
 CrossEntropy = Literal["chunked", "logits"]
@@ -243,24 +243,25 @@ class LlamaModule(L.LightningModule):
         hp = self.hparams
         optimizer = build_adamw(self.parameters(), self.adamw, self.device, lr=hp.lr, betas=tuple(hp.betas), eps=1e-8,
                                 weight_decay=hp.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(hp.warmup_steps, self._decay_steps()))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {"optimizer": optimizer,
+                "lr_scheduler": warmup_cosine(self, optimizer, hp.warmup_steps, hp.decay_steps, hp.min_lr_ratio)}
 
-    def _decay_steps(self) -> int:
-        if self.hparams.decay_steps is not None:
-            return self.hparams.decay_steps
-        total = self.trainer.estimated_stepping_batches
+
+def warmup_cosine(module: L.LightningModule, optimizer: torch.optim.Optimizer, warmup: int, decay: int | None,
+                  min_ratio: float) -> dict[str, Any]:
+    """The learning-rate schedule of ``configure_optimizers``, stepped every optimizer step: linear warm-up over
+    ``warmup`` steps, then a cosine decay to ``min_ratio`` over ``decay`` steps (None: the rest of the run)."""
+    if decay is None:
+        total = module.trainer.estimated_stepping_batches
         if not math.isfinite(total):
-            raise ValueError("The run has no known length: set trainer.max_steps, or LlamaModule(decay_steps=...).")
-        return max(int(total) - self.hparams.warmup_steps, 1)
+            raise ValueError(f"The run has no known length: set trainer.max_steps, or {type(module).__name__}"
+                             "(decay_steps=...).")
+        decay = max(int(total) - warmup, 1)
 
-    def _lr_factor(self, warmup: int, decay: int) -> Any:
-        min_ratio = self.hparams.min_lr_ratio
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min((step - warmup) / decay, 1.0)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            progress = min((step - warmup) / decay, 1.0)
-            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        return factor
+    return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "interval": "step"}

@@ -11,7 +11,8 @@ from pathlib import Path
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-__all__ = ["Tokenizer", "DEFAULT_BPE", "LLAMA3_SPLIT_PATTERN", "special_tokens"]
+__all__ = ["DEFAULT_BPE", "LLAMA3_SPLIT_PATTERN", "Tokenizer", "TransformersTokenizer", "load_tokenizer",
+           "special_tokens"]
 
 DEFAULT_BPE = Path(__file__).parent / "assets" / "titan_bpe_8k.model"
 
@@ -64,3 +65,37 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.model.decode(ids)
+
+
+class TransformersTokenizer:
+    """A transformers model directory's tokenizer (``AutoTokenizer``, offline), with ``Tokenizer``'s interface:
+    what ``TextDataModule(tokenizer=<the directory>)`` uses for ``CausalLM(pretrained=<the directory>)``."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.model = AutoTokenizer.from_pretrained(str(directory))
+        eos = self.model.eos_token_id
+        self.bos_id = self.model.bos_token_id if self.model.bos_token_id is not None else eos
+        self.eos_id = eos if eos is not None else self.bos_id
+        if self.bos_id is None:
+            raise ValueError(f"The tokenizer in {directory} has neither a BOS nor an EOS token, which packed windows "
+                             "put between documents.")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.model)
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.model.encode(text, add_special_tokens=False)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.model.decode(ids)
+
+
+def load_tokenizer(path: str | Path | None) -> Tokenizer | TransformersTokenizer:
+    """A transformers model directory's tokenizer, or a tiktoken BPE file's (None: the built-in 8k BPE)."""
+    if path is not None and Path(path).is_dir():
+        return TransformersTokenizer(path)
+    return Tokenizer(path)

@@ -70,3 +70,40 @@ def test_a_transformers_model_trains_as_one_process_on_every_layout(kind: str, l
     cp = strategy.get("context_parallel_size", 1)
     if "pipeline_parallel_size" not in strategy:
         assert all(record["seen_seq_len"] == RUN.data.seq_len // cp for record in many)
+
+
+@pytest.fixture
+def pretrained(tmp_path: Path) -> Path:
+    """A tiny LlamaForCausalLM saved with non-unit norms, so any re-initialization shows."""
+    from tests.support.user_modules import hf_config
+
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(hf_config("llama"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "pretrained")
+    return tmp_path / "pretrained"
+
+
+def test_a_pretrained_directory_loads_each_ranks_shards_and_saves_back(pretrained: Path, tmp_path: Path,
+                                                                        test_env: dict[str, str]) -> None:
+    # llama_module.CausalLM(pretrained=...) under pp2 x tp2: each rank starts from the directory's weights (read
+    # shard by shard after sharding), trains as one process, and the model saved back from the ranks' shards loads
+    # in transformers with the one-process model's logits.
+    from tests.support.user_modules import weight_sums
+
+    runs = {name: _run(tmp_path, test_env, nproc, name, strategy, kind="causal_lm", pretrained=str(pretrained),
+                       save_hf=str(tmp_path / f"{name}_hf"))
+            for name, nproc, strategy in [("one", 1, {}),
+                                          ("many", 4, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2})]}
+    expected = weight_sums(transformers.LlamaForCausalLM.from_pretrained(pretrained))
+    for record in runs["many"]:
+        for name, sums in record["weights_at_start"].items():
+            assert sums == pytest.approx(expected[name.removeprefix("model.")], rel=1e-12), name
+    _assert_same_run(runs["many"], runs["one"][0])
+    tokens = torch.arange(32).view(2, 16)
+    logits = [transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}_hf")(tokens).logits
+              for name in runs]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)

@@ -16,6 +16,7 @@ from titan_strategy.config.pipeline import PIPELINE_SCHEDULES
 from titan_strategy.distributed import simulating_ranks
 from titan_strategy.knobs import check_choice, choices
 from titan_strategy.mesh import TitanMesh
+from titan_strategy.parallelize.hf_causal_lm import pretrained_on_meta
 from titan_strategy.parallelize.tensor_parallel import VocabularyParallelOutput
 from titan_strategy.plan import ContextParallelPlan, ParallelPlan, PipelinePlan, PlannedModule, TensorParallelPlan
 from titan_strategy.step_metrics import log_step_metric
@@ -33,7 +34,8 @@ __all__ = ["CHECKPOINT_MODES", "ELASTIC_POSITION_KEY", "IGNORE_INDEX", "PIPELINE
            "CorruptCheckpointError", "DistributedCheckpointIO", "FlightRecorder", "ParallelDims", "ParallelPlan",
            "PipelinePlan", "PlannedModule", "TensorParallelPlan", "Throughput", "TitanConfig", "TitanMesh",
            "TitanStrategy", "TokenLoss", "VocabularyParallelOutput", "check_choice", "choices", "count_labelled",
-           "is_token_weighted", "log_step_metric", "simulating_ranks", "token_cross_entropy", "token_mean"]
+           "is_token_weighted", "log_step_metric", "pretrained_on_meta", "simulating_ranks", "token_cross_entropy",
+           "token_mean"]
 
 if TitanStrategy.strategy_name not in StrategyRegistry:
     TitanStrategy.register_strategies(StrategyRegistry)

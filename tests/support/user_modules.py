@@ -4,13 +4,16 @@ tests/support/train_worker.py hands such a spec to ``main`` here.
 
 ``user_module`` keys (all but ``kind`` optional):
     kind: "mlp" (an ``nn.Module`` stack in a ModuleList), "boring" (Lightning's BoringModel), or one of
-        ``HF_KINDS`` (``hf_model``), fed transformers-style labels (``NextTokenLabels``);
+        ``HF_KINDS`` (``hf_model``), fed transformers-style labels (``NextTokenLabels``); "causal_lm" is
+        ``llama_module.CausalLM``, fed next-token labels as ``TextDataModule`` gives them;
         "tiny_llama" is this project's LlamaModule (it declares a plan), for checkpoints exchanged with DDP.
     build: "init" (in ``__init__``), "configure_model", or "init_module" (``__init__`` under
         ``trainer.init_module(empty_init=False)``, every weight then filled with 0.5); for "mlp", "shard_one_block"
         (``configure_model`` shards its first block over ``device_mesh["data_parallel"]`` and nothing else) or
         "manual" (manual optimization: backward and step inside ``training_step``).
-    pretrained: a transformers model folder that ``__init__`` loads with ``from_pretrained``.
+    pretrained: a transformers model folder that ``__init__`` loads with ``from_pretrained`` ("causal_lm":
+        ``CausalLM(pretrained=...)``, which reads each rank's shards after sharding).
+    save_hf: a folder the trained transformers model is saved to (``save_safetensors``) after fit.
     strategy: "titan" (``RunSpec.trainer.strategy`` its arguments) or "ddp".
     swa: add ``StochasticWeightAveraging``; barebones: ``Trainer(barebones=True)``; log_every_n_steps: the Trainer's.
     save_distributed_checkpoint: TitanStrategy's.
@@ -232,6 +235,12 @@ def _module(options: dict[str, Any], trainer: L.Trainer) -> L.LightningModule:
         from tests.support.train_worker import TINY
 
         return LlamaModule(model=TINY, warmup_steps=2, decay_steps=100, cross_entropy="logits")
+    if kind == "causal_lm":  # this project's CausalLM: a transformers directory, or a config on the meta device
+        from llama_module import CausalLM as OurCausalLM
+
+        config = None if options.get("pretrained") else {**hf_config("llama").to_dict(), "model_type": "llama"}
+        return OurCausalLM(pretrained=options.get("pretrained"), config=config, lr=3e-3, betas=(0.9, 0.999),
+                        weight_decay=0.01, warmup_steps=0, decay_steps=1000, min_lr_ratio=1.0)
     if build == "init_module":
         with trainer.init_module(empty_init=False):
             module = CausalLM(kind, "init", log=not options.get("barebones", False))
@@ -285,6 +294,10 @@ def main(spec: RunSpec, out_dir: Path) -> None:
               "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
               "global_step": trainer.global_step, "mesh": recorder.mesh}
     (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    if options.get("save_hf"):
+        from titan_strategy.checkpoint.hf_safetensors import save_safetensors
+
+        save_safetensors(module.model, Path(options["save_hf"]))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -40,12 +40,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan_strategy.config.mesh import ParallelDims
+from titan_strategy.kernels.linear_cross_entropy import linear_cross_entropy
 from titan_strategy.parallelize.blocks import repeated_blocks
 from titan_strategy.parallelize.context_parallel import load_balanced_shard
 from titan_strategy.parallelize.materialize import OwnInitializer, own_initializers, run_initializers
 from titan_strategy.parallelize.tensor_parallel import VocabularyParallelOutput
 from titan_strategy.plan import ContextParallelPlan, ParallelPlan, ParamFiller, PipelinePlan, TensorParallelPlan
-from titan_strategy.token_loss import IGNORE_INDEX, token_cross_entropy, token_mean
+from titan_strategy.token_loss import IGNORE_INDEX, count_labelled, token_cross_entropy, token_mean
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -122,6 +123,7 @@ def hf_causal_lm_plan(module: pl.LightningModule, model: nn.Module, dims: Parall
     model.loss_function = functools.partial(_token_weighted_loss, module)
     if dims.cp > 1:
         _cp_positions_and_labels(module, model)
+    _loss_without_logits(model)  # after the CP hook, which shifts the labels it sees
     base = _prefix(model)
     stage_sequence_parallel = dims.tp > 1 and sequence_parallel
     return ParallelPlan(
@@ -364,12 +366,49 @@ def next_token_labels(labels: Tensor, cp_mesh: DeviceMesh | None = None) -> Tens
 
 # ---- the loss ---------------------------------------------------------------------------------------------------
 
+def _loss_without_logits(model: nn.Module) -> None:
+    """A call with labels computes the loss inside the output projection, chunk by chunk
+    (``linear_cross_entropy``): the (batch, seq, vocabulary) logits never exist. The model's ``logits`` are
+    then None, so that code reading them fails instead of reading a loss; a call without labels returns logits.
+
+    The projection returns its token sum carrying the count (``labelled_tokens``), and ``_token_weighted_loss``
+    makes the mean of it."""
+    head = model.get_output_embeddings()
+    pending: dict[str, Tensor] = {}
+
+    def remember_targets(causal_lm: nn.Module, args: tuple, kwargs: dict) -> None:
+        labels, shifted = kwargs.get("labels"), kwargs.get("shift_labels")
+        if labels is not None or shifted is not None:
+            pending["targets"] = shifted if shifted is not None else next_token_labels(labels)
+
+    def project(hidden: Tensor) -> Tensor:
+        targets = pending.pop("targets", None)
+        if targets is None:
+            return F.linear(hidden, head.weight, head.bias)
+        loss_sum = linear_cross_entropy(hidden, head.weight, targets)
+        loss_sum.labelled_tokens = count_labelled(targets)
+        return loss_sum
+
+    def drop_logits(causal_lm: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if getattr(output, "logits", None) is not None and hasattr(output.logits, "labelled_tokens"):
+            output.logits = None
+        return output
+
+    if head.bias is not None or type(head) is not nn.Linear:
+        return  # a projection of its own kind computes its logits its own way
+    model.register_forward_pre_hook(remember_targets, with_kwargs=True)
+    model.register_forward_hook(drop_logits, with_kwargs=True)
+    head.forward = project
+
+
 def _token_weighted_loss(module: pl.LightningModule, logits: Tensor, labels: Tensor | None = None,
                          vocab_size: int | None = None, num_items_in_batch: Any = None,
                          ignore_index: int = IGNORE_INDEX, shift_labels: Tensor | None = None,
                          **kwargs: Any) -> Tensor:
     """transformers' causal LM loss as the mean over every labelled token of the step, on every rank and
     layout (``token_mean``); ``num_items_in_batch`` is that count already, so it is not needed."""
+    if hasattr(logits, "labelled_tokens"):  # the output projection's loss sum (_loss_without_logits)
+        return token_mean(module, logits, logits.labelled_tokens)
     targets = shift_labels if shift_labels is not None else next_token_labels(labels)
     if ignore_index != IGNORE_INDEX:
         targets = targets.masked_fill(targets == ignore_index, IGNORE_INDEX)
