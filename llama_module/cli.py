@@ -17,7 +17,7 @@ import titan_strategy  # noqa: F401 -- registers strategy="titan" and makes its 
 from llama_module.data import TextDataModule
 from llama_module.module import LlamaModule
 
-__all__ = ["TitanCLI", "main"]
+__all__ = ["TitanCLI", "main", "titan_cli"]
 
 DESCRIPTION = "Train a Llama under TitanStrategy (LightningCLI over LlamaModule and TextDataModule)."
 # `titan --help` lists every tool, not only LightningCLI's subcommands.
@@ -79,9 +79,15 @@ def main() -> None:
         from llama_module.rehearse_cli import main as rehearse
 
         raise SystemExit(rehearse(sys.argv[2:]))
-    # Any LightningModule by class_path (llama_module.CausalLM for transformers models); LlamaModule without one.
-    TitanCLI(L.LightningModule, TextDataModule, subclass_mode_model=True, seed_everything_default=0,
-             parser_kwargs={"description": DESCRIPTION, "epilog": OTHER_COMMANDS, "formatter_class": _KeepsLineBreaks})
+    titan_cli()
+
+
+def titan_cli(args: list[str] | None = None) -> TitanCLI:
+    """``titan fit|validate|...``: any LightningModule by class_path (``llama_module.CausalLM`` for a transformers
+    model), ``LlamaModule`` where the config names none."""
+    return TitanCLI(L.LightningModule, TextDataModule, subclass_mode_model=True, seed_everything_default=0, args=args,
+                    parser_kwargs={"description": DESCRIPTION, "epilog": OTHER_COMMANDS,
+                                   "formatter_class": _KeepsLineBreaks})
 
 
 if __name__ == "__main__":

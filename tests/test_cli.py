@@ -53,15 +53,27 @@ def test_debug_config_trains_validates_and_checkpoints(overrides: list[str], tmp
     assert not (tmp_path / "flight_recorder").exists()  # the config's FlightRecorder watched a clean run
 
 
+@pytest.mark.multiprocess  # `titan fit` in a subprocess, which starts its ranks
+def test_a_transformers_model_trains_from_its_config(tmp_path: Path, test_env: dict[str, str]) -> None:
+    # configs/hf_causal_lm.yaml: llama_module.CausalLM, a Qwen2 from its config, no plan, on 2 processes.
+    fit = run_command([sys.executable, "-m", "llama_module.cli", "fit", "--config",
+                       str(REPO / "configs" / "hf_causal_lm.yaml"), "--trainer.max_steps=4",
+                       "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
+                       "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={tmp_path}",
+                       "--trainer.enable_progress_bar=false"], test_env, tmp_path)
+    assert re.search(r"Checkpoint of step 4 published", fit.stdout + fit.stderr)
+    scalars, _ = read_scalars(tmp_path)
+    assert len(scalars["train_loss"]) == 4 and len(scalars["val_loss"]) == 2
+    assert scalars["train_loss"][-1][1] < scalars["train_loss"][0][1]
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_parses(config: Path, capsys: pytest.CaptureFixture) -> None:
-    from llama_module.cli import TitanCLI
-    from llama_module.data import TextDataModule
-    from llama_module.module import LlamaModule
+    from llama_module.cli import titan_cli
 
     with pytest.raises(SystemExit) as exit_info:
-        TitanCLI(LlamaModule, TextDataModule, args=["fit", "--config", str(config), "--print_config"])
+        titan_cli(["fit", "--config", str(config), "--print_config"])
     assert exit_info.value.code == 0
     assert "titan_strategy.TitanStrategy" in capsys.readouterr().out
 

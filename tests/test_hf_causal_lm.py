@@ -107,3 +107,15 @@ def test_a_pretrained_directory_loads_each_ranks_shards_and_saves_back(pretraine
     logits = [transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}_hf")(tokens).logits
               for name in runs]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_transformers_model_resumes_mid_epoch_on_another_layout(tmp_path: Path, test_env: dict[str, str]) -> None:
+    # Saved after 2 of 4 steps on dp2, resumed on dp2 x tp2: the last 2 steps are one uninterrupted process's.
+    build = {"kind": "qwen2", "build": "configure_model"}
+    straight = _run(tmp_path, test_env, 1, "straight", {}, **build)[0]["losses"]
+    saved = tmp_path / "step2"
+    _run(tmp_path, test_env, 2, "first", {}, RUN.with_(checkpoints={"save_at": 2, "save_path": str(saved)}), **build)
+    resumed = _run(tmp_path, test_env, 4, "resumed", {"tensor_parallel_size": 2},
+                   RUN.with_(checkpoints={"resume_from": str(saved)}), **build)
+    for record in resumed:
+        torch.testing.assert_close(record["losses"], straight[2:], rtol=1e-5, atol=1e-6)
