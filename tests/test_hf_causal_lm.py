@@ -21,12 +21,13 @@ GLOBAL_BATCH = 8
 RUN = RunSpec(steps=4, batch_size=GLOBAL_BATCH, data=DataSpec(samples=64, seq_len=32))
 
 
-def _run(tmp_path: Path, env: dict[str, str], nproc: int, name: str, strategy: dict[str, Any],
+def _run(tmp_path: Path, env: dict[str, str], nproc: int, name: str, knobs: dict[str, Any],
          spec: RunSpec = RUN, **user_module: Any) -> list[dict[str, Any]]:
-    """``spec`` on ``nproc`` processes with the global batch split over the data-parallel ranks."""
-    model_ranks = (strategy.get("tensor_parallel_size", 1) * strategy.get("pipeline_parallel_size", 1)
-                   * strategy.get("context_parallel_size", 1))
-    spec = spec.with_(batch_size=spec.batch_size // (nproc // model_ranks), trainer={"strategy": strategy},
+    """``spec`` on ``nproc`` processes under TitanStrategy(**knobs), with the global batch split over the
+    data-parallel ranks."""
+    model_ranks = (knobs.get("tensor_parallel_size", 1) * knobs.get("pipeline_parallel_size", 1)
+                   * knobs.get("context_parallel_size", 1))
+    spec = spec.with_(batch_size=spec.batch_size // (nproc // model_ranks), trainer={"strategy": knobs},
                       model={"user_module": user_module})
     return launch(nproc, spec, tmp_path / name, env)
 
@@ -85,6 +86,17 @@ def pretrained(tmp_path: Path) -> Path:
                 param.uniform_(0.5, 1.5)
     model.save_pretrained(tmp_path / "pretrained")
     return tmp_path / "pretrained"
+
+
+@pytest.mark.parametrize("layout", ["dp2_tp2", "pp2_1f1b"])
+def test_from_pretrained_in_init_trains_as_plain_pytorch(layout: str, pretrained: Path, tmp_path: Path,
+                                                         test_env: dict[str, str]) -> None:
+    # The user's own from_pretrained in __init__ (every rank loads the whole model; rank 0's weights are kept and
+    # sharded) against the same module in a plain one-process loop: Lightning without a parallel strategy.
+    nproc, knobs = LAYOUTS[layout]
+    plain = _run(tmp_path, test_env, 1, "plain", {}, kind="llama", pretrained=str(pretrained), strategy="ddp")[0]
+    many = _run(tmp_path, test_env, nproc, "many", knobs, kind="llama", pretrained=str(pretrained))
+    _assert_same_run(many, plain)
 
 
 def test_a_pretrained_directory_loads_each_ranks_shards_and_saves_back(pretrained: Path, tmp_path: Path,

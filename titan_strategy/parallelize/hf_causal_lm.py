@@ -54,8 +54,10 @@ if TYPE_CHECKING:
 __all__ = ["causal_lm_in", "hf_causal_lm_plan", "next_token_labels", "pretrained_on_meta"]
 
 # Families whose base model runs embedding -> rotary positions -> decoder layers -> norm and nothing else, with
-# decoder layers that take (hidden_states, attention_mask, position_ids, position_embeddings): a pipeline stage
-# can run their pieces itself, and their attention can be swapped for causal SDPA.
+# decoder layers that take (hidden_states, attention_mask, position_ids, position_embeddings), and whose causal LM
+# hands the output projection's result to the loss unchanged (no soft-capping or scaling of the logits): a pipeline
+# stage can run their pieces itself, their attention can be swapped for causal SDPA, and their loss computed inside
+# the output projection.
 _PLAIN_DECODERS = ("llama", "mistral", "qwen2", "qwen3")
 _ATTENTION = "titan_causal"
 # Where pretrained_on_meta records the directory the strategy loads each rank's shards from.
@@ -123,7 +125,8 @@ def hf_causal_lm_plan(module: pl.LightningModule, model: nn.Module, dims: Parall
     model.loss_function = functools.partial(_token_weighted_loss, module)
     if dims.cp > 1:
         _cp_positions_and_labels(module, model)
-    _loss_without_logits(model)  # after the CP hook, which shifts the labels it sees
+    if family in _PLAIN_DECODERS:  # their forward hands the projection's output to the loss unchanged
+        _loss_without_logits(model)  # after the CP hook, which shifts the labels it sees
     base = _prefix(model)
     stage_sequence_parallel = dims.tp > 1 and sequence_parallel
     return ParallelPlan(
