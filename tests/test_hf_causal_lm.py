@@ -14,7 +14,6 @@ from tests.conftest import launch
 from tests.support.run_spec import DataSpec, RunSpec
 from tests.support.user_modules import assert_same_weights
 
-pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
 
 GLOBAL_BATCH = 8
@@ -53,10 +52,11 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("kind", "layout"), [
     ("llama", "tp2"), ("qwen2", "dp2_tp2"), ("qwen3", "tp2"), ("qwen2_tied", "tp2_no_sp"),
     ("mistral", "pp2_1f1b"), ("qwen3", "pp2_interleaved"), ("llama", "cp2"), ("qwen2", "cp2"),
-    ("llama", "pp2_dp2_tp2"),
+    ("llama", "pp2_dp2_tp2"), ("gemma2", "tp2"),
 ])
 def test_a_transformers_model_trains_as_one_process_on_every_layout(kind: str, layout: str, tmp_path: Path,
                                                                      test_env: dict[str, str]) -> None:
@@ -88,6 +88,7 @@ def pretrained(tmp_path: Path) -> Path:
     return tmp_path / "pretrained"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", ["dp2_tp2", "pp2_1f1b"])
 def test_from_pretrained_in_init_trains_as_plain_pytorch(layout: str, pretrained: Path, tmp_path: Path,
                                                          test_env: dict[str, str]) -> None:
@@ -99,6 +100,7 @@ def test_from_pretrained_in_init_trains_as_plain_pytorch(layout: str, pretrained
     _assert_same_run(many, plain)
 
 
+@pytest.mark.multiprocess
 def test_a_pretrained_directory_loads_each_ranks_shards_and_saves_back(pretrained: Path, tmp_path: Path,
                                                                         test_env: dict[str, str]) -> None:
     # llama_module.CausalLM(pretrained=...) under pp2 x tp2: each rank starts from the directory's weights (read
@@ -121,6 +123,7 @@ def test_a_pretrained_directory_loads_each_ranks_shards_and_saves_back(pretraine
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.multiprocess
 def test_a_transformers_model_resumes_mid_epoch_on_another_layout(tmp_path: Path, test_env: dict[str, str]) -> None:
     # Saved after 2 of 4 steps on dp2, resumed on dp2 x tp2: the last 2 steps are one uninterrupted process's.
     build = {"kind": "qwen2", "build": "configure_model"}
@@ -131,3 +134,24 @@ def test_a_transformers_model_resumes_mid_epoch_on_another_layout(tmp_path: Path
                    RUN.with_(checkpoints={"resume_from": str(saved)}), **build)
     for record in resumed:
         torch.testing.assert_close(record["losses"], straight[2:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("kind", "dims", "error"), [
+    ("phi3", {"tp": 2}, r"cannot derive tensor parallelism for Phi3ForCausalLM: it lacks a TP style TitanStrategy "
+                        r"maps for \{'layers.\*.self_attn.qkv_proj': 'colwise_gather_output'"),
+    ("gemma2", {"pp": 2}, r"cannot derive pipeline_parallel_size=2 for Gemma2ForCausalLM: .*model_type 'gemma2'"),
+    ("gemma2", {"cp": 2}, r"cannot derive context_parallel_size=2 for Gemma2ForCausalLM"),
+    ("qwen2_tied", {"pp": 2}, r"pipeline_parallel_size=2 .*\(tie_word_embeddings=True puts one weight on the first"),
+])
+def test_what_a_family_lacks_is_refused_with_the_fix(kind: str, dims: dict[str, int], error: str) -> None:
+    import lightning as L
+
+    from tests.support.user_modules import hf_model
+    from titan_strategy.config.mesh import ParallelDims
+    from titan_strategy.parallelize.hf_causal_lm import hf_causal_lm_plan
+
+    sizes = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1} | dims
+    with pytest.raises(ValueError, match=error) as refused:
+        hf_causal_lm_plan(L.LightningModule(), hf_model(kind), ParallelDims(**sizes), sequence_parallel=True)
+    assert "parallel_plan()" in str(refused.value) or "tie_word_embeddings=False" in str(refused.value)

@@ -57,19 +57,23 @@ HF_SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "nu
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 
 
-HF_KINDS = ("llama", "qwen2", "qwen2_tied", "qwen3", "mistral")
+HF_KINDS = ("llama", "qwen2", "qwen2_tied", "qwen3", "mistral", "gemma2", "phi3")
 
 
 def hf_config(kind: str) -> Any:
     """The tiny transformers config of ``kind``: "llama", "qwen2" (q/k/v biases), "qwen2_tied" (its output
-    projection is its token embedding, as in the small Qwen2 models), "qwen3" (per-head q/k norms) or "mistral"
-    (a sliding window, longer than the test sequences)."""
+    projection is its token embedding, as in the small Qwen2 models), "qwen3" (per-head q/k norms), "mistral"
+    (a sliding window, longer than the test sequences), "gemma2" (tied, scaled embeddings, soft-capped logits) or
+    "phi3" (fused q/k/v and gate/up projections)."""
     import transformers
 
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
               "qwen2_tied": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-              "mistral": transformers.MistralConfig}[kind]
-    extra = {"tie_word_embeddings": kind == "qwen2_tied"} if kind.startswith("qwen") else {}
+              "mistral": transformers.MistralConfig, "gemma2": transformers.Gemma2Config,
+              "phi3": transformers.Phi3Config}[kind]
+    extra = {"qwen2": {"tie_word_embeddings": False}, "qwen2_tied": {"tie_word_embeddings": True},
+             "qwen3": {"tie_word_embeddings": False}, "gemma2": {"head_dim": 8},
+             "phi3": {"pad_token_id": None}}.get(kind, {})
     return config(**HF_SHAPE, **extra)
 
 
