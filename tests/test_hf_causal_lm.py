@@ -4,6 +4,7 @@ does on the same global batch, with the same weights at the end, and really shar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,23 @@ def _assert_same_run(records: list[dict[str, Any]], reference: dict[str, Any]) -
     assert set().union(*(record["weights"] for record in records)) == set(reference["weights"])
 
 
+OneProcess = Callable[[str], dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> OneProcess:
+    """The one-process run of a kind built in ``configure_model``, run once for every layout it is compared to."""
+    runs: dict[str, dict[str, Any]] = {}
+
+    def run(kind: str) -> dict[str, Any]:
+        if kind not in runs:
+            runs[kind] = _run(tmp_path_factory.mktemp(kind), test_env, 1, "one", {}, kind=kind,
+                              build="configure_model")[0]
+        return runs[kind]
+
+    return run
+
+
 LAYOUTS = {
     "tp2": (2, {"tensor_parallel_size": 2}),
     "dp2_tp2": (4, {"tensor_parallel_size": 2}),
@@ -59,9 +77,10 @@ LAYOUTS = {
     ("llama", "pp2_dp2_tp2"), ("gemma2", "tp2"),
 ])
 def test_a_transformers_model_trains_as_one_process_on_every_layout(kind: str, layout: str, tmp_path: Path,
-                                                                     test_env: dict[str, str]) -> None:
+                                                                     test_env: dict[str, str],
+                                                                     one_process: OneProcess) -> None:
     nproc, strategy = LAYOUTS[layout]
-    one = _run(tmp_path, test_env, 1, "one", {}, kind=kind, build="configure_model")[0]
+    one = one_process(kind)
     many = _run(tmp_path, test_env, nproc, "many", strategy, kind=kind, build="configure_model")
     _assert_same_run(many, one)
     # Each rank holds about 1/model-degree of the weights (FSDP shards what TP and PP leave over every other rank),
@@ -124,10 +143,11 @@ def test_a_pretrained_directory_loads_each_ranks_shards_and_saves_back(pretraine
 
 
 @pytest.mark.multiprocess
-def test_a_transformers_model_resumes_mid_epoch_on_another_layout(tmp_path: Path, test_env: dict[str, str]) -> None:
+def test_a_transformers_model_resumes_mid_epoch_on_another_layout(tmp_path: Path, test_env: dict[str, str],
+                                                                  one_process: OneProcess) -> None:
     # Saved after 2 of 4 steps on dp2, resumed on dp2 x tp2: the last 2 steps are one uninterrupted process's.
     build = {"kind": "qwen2", "build": "configure_model"}
-    straight = _run(tmp_path, test_env, 1, "straight", {}, **build)[0]["losses"]
+    straight = one_process("qwen2")["losses"]
     saved = tmp_path / "step2"
     _run(tmp_path, test_env, 2, "first", {}, RUN.with_(checkpoints={"save_at": 2, "save_path": str(saved)}), **build)
     resumed = _run(tmp_path, test_env, 4, "resumed", {"tensor_parallel_size": 2},
