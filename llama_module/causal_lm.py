@@ -74,12 +74,16 @@ class CausalLM(L.LightningModule):
             self.model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Model FLOPs of training on one token (forward and backward, no recomputation): 6 per weight of the
-        matrix products, plus causal attention's scores and weighted sum."""
+        """Model FLOPs of training on one token (forward and backward, no recomputation), from the config (a
+        pipeline stage holds only some of the weights): 6 per weight of the matrix products (q, k, v, o, a gated
+        MLP, the output projection), plus causal attention's scores and weighted sum."""
         config = self.model.config
-        weights = sum(p.numel() for name, p in self.model.named_parameters() if "embed_tokens" not in name)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        attention = 6 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
+        hidden, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * config.intermediate_size
+        weights = layers * per_layer + hidden * config.vocab_size
+        attention = 6 * layers * heads * head_dim * seq_len
         return 6 * weights + attention
 
     def on_before_batch_transfer(self, batch: Batch, dataloader_idx: int) -> Batch:

@@ -82,10 +82,10 @@ def main() -> None:
     titan_cli()
 
 
-def titan_cli(args: list[str] | None = None) -> TitanCLI:
+def titan_cli(args: list[str] | None = None, cli_class: type[TitanCLI] = TitanCLI) -> TitanCLI:
     """``titan fit|validate|...``: any LightningModule by class_path (``llama_module.CausalLM`` for a transformers
     model), ``LlamaModule`` where the config names none."""
-    return TitanCLI(L.LightningModule, TextDataModule, subclass_mode_model=True, seed_everything_default=0, args=args,
+    return cli_class(L.LightningModule, TextDataModule, subclass_mode_model=True, seed_everything_default=0, args=args,
                     parser_kwargs={"description": DESCRIPTION, "epilog": OTHER_COMMANDS,
                                    "formatter_class": _KeepsLineBreaks})
 

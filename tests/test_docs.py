@@ -122,16 +122,14 @@ class _Built(Exception):
 @pytest.fixture(scope="module")
 def cli_parser() -> Any:
     """``titan``'s own LightningCLI parser (subcommands fit, validate, ...), built without parsing anything."""
-    from llama_module.cli import TitanCLI
-    from llama_module.data import TextDataModule
-    from llama_module.module import LlamaModule
+    from llama_module.cli import TitanCLI, titan_cli
 
     class _ParserOnly(TitanCLI):
         def parse_arguments(self, parser: Any, args: Any) -> None:
             raise _Built(parser)
 
     with pytest.raises(_Built) as built:
-        _ParserOnly(LlamaModule, TextDataModule, args=[])
+        titan_cli([], cli_class=_ParserOnly)
     return built.value.args[0]
 
 
@@ -159,8 +157,6 @@ def construct(spec: Any) -> Any:
 @pytest.mark.parametrize("block", params(all_blocks("yaml")))
 def test_yaml_snippet_is_a_config_titan_fit_accepts(block: Block, cli_parser: Any, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from llama_module.module import LlamaModule
-
     snippet = yaml.safe_load(block.text)
     assert isinstance(snippet, dict) and snippet, f"{block.where}: a YAML snippet must be a mapping (a config)"
     config = tmp_path / "snippet.yaml"
@@ -168,7 +164,7 @@ def test_yaml_snippet_is_a_config_titan_fit_accepts(block: Block, cli_parser: An
     parsed = parse(cli_parser, ["fit", "--config", str(BASE_CONFIG), "--config", str(config)], block.where).fit
 
     monkeypatch.chdir(tmp_path)  # constructors that touch a relative path touch the scratch folder
-    builds = [lambda: LlamaModule(**parsed.model.as_dict())]
+    builds = [lambda: construct(parsed.model)]
     if hasattr(parsed.trainer.strategy, "class_path"):  # not a registered name ("titan")
         builds.append(lambda: construct(parsed.trainer.strategy))
     builds += [lambda callback=callback: construct(callback) for callback in parsed.trainer.callbacks or []]

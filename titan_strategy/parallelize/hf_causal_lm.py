@@ -144,8 +144,8 @@ def hf_causal_lm_plan(module: pl.LightningModule, model: nn.Module, dims: Parall
 def _refuse(model: nn.Module, degree: str, missing: str) -> None:
     raise ValueError(
         f"TitanStrategy cannot derive {degree} for {type(model).__name__}: it lacks {missing}. Give the "
-        "LightningModule a parallel_plan() that says how (docs/your-module.md shows one for a transformers model), "
-        "or set that degree to 1.")
+        "LightningModule a parallel_plan() that says how (docs/your-module.md#planned-modules; "
+        "titan_strategy/parallelize/hf_causal_lm.py derives one to start from), or set that degree to 1.")
 
 
 def _prefix(model: nn.Module) -> str:
