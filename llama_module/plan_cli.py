@@ -68,6 +68,17 @@ def check_training_config(config: dict[str, Any], gpu: GPU) -> tuple[Plan, Job]:
     return check_layout(shape, layout, job), job
 
 
+def _llama_module_arguments(model: dict[str, Any]) -> dict[str, Any]:
+    """A config's ``model`` section as LlamaModule's arguments: as a YAML may write them, or as ``titan fit`` parses
+    them (``class_path`` and ``init_args``)."""
+    if "class_path" not in model:
+        return model
+    if model["class_path"] not in ("llama_module.LlamaModule", "llama_module.module.LlamaModule"):
+        raise PlanError(f"model.class_path={model['class_path']}: the planner knows LlamaModule's shapes only; check "
+                        "the layout of another module by rehearsing it (titan rehearse), or leave out --plan_check.")
+    return model.get("init_args") or {}
+
+
 def training_layout(config: dict[str, Any], gpu: GPU) -> tuple[LlamaConfig, Layout, Job]:
     """The model shape, layout and job a training config (as ``titan fit`` reads it) asks the planner about."""
     trainer = config.get("trainer") or {}
@@ -75,7 +86,7 @@ def training_layout(config: dict[str, Any], gpu: GPU) -> tuple[LlamaConfig, Layo
     if not isinstance(per_node, int):
         raise PlanError(f"trainer.devices={per_node!r}: the check needs a number of devices.")
     gpus = per_node * (trainer.get("num_nodes") or 1)
-    model = config.get("model") or {}
+    model = _llama_module_arguments(config.get("model") or {})
     shape = _config_of(model.get("model", "debug"))
     strategy = _strategy_config(config)
     layout = _layout_of_config(strategy, gpus, shape.n_layers)

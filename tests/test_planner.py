@@ -186,14 +186,11 @@ def test_cli_check_refuses_a_config_that_does_not_divide(tmp_path: Path, capsys:
 @pytest.mark.unit
 def test_titan_fit_plan_check_stops_a_run_that_cannot_fit_before_anything_starts(tmp_path: Path,
                                                                                 capsys: pytest.CaptureFixture) -> None:
-    from llama_module.cli import TitanCLI
-    from llama_module.data import TextDataModule
-    from llama_module.module import LlamaModule
+    from llama_module.cli import titan_cli
 
     with pytest.raises(SystemExit, match=r"--plan_check H100: The layout cannot run: it needs \d+\.\d GiB per GPU"):
-        TitanCLI(LlamaModule, TextDataModule, args=["fit", "--config", str(REPO / "configs" / "llama3_8b_fsdp.yaml"),
-                                                    "--model.model=405B", "--plan_check=H100",
-                                                    f"--trainer.default_root_dir={tmp_path}"])
+        titan_cli(["fit", "--config", str(REPO / "configs" / "llama3_8b_fsdp.yaml"), "--model.init_args.model=405B",
+                   "--plan_check=H100", f"--trainer.default_root_dir={tmp_path}"])
     assert list(tmp_path.iterdir()) == []
 
 

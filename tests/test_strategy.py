@@ -214,7 +214,8 @@ def test_a_plain_modules_blocks_are_found_without_the_user() -> None:
 
     with torch.device("meta"):
         llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_SHAPE))
-    assert repeated_blocks(llama) == ("model.layers.0", "model.layers.1")  # _no_split_modules: LlamaDecoderLayer
+    # _no_split_modules: LlamaDecoderLayer
+    assert repeated_blocks(llama) == tuple(f"model.layers.{i}" for i in range(HF_SHAPE["num_hidden_layers"]))
 
 
 def test_a_meta_built_module_without_an_initializer_is_named_before_any_allocation() -> None:
