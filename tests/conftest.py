@@ -208,3 +208,21 @@ def fixtures_dir() -> Path:
     if not FIXTURES.is_dir():
         pytest.skip(f"shared fixtures not found at {FIXTURES}")
     return FIXTURES
+
+
+@pytest.fixture
+def pretrained(tmp_path: Path) -> Path:
+    """A tiny transformers LlamaForCausalLM (``tests.support.user_modules.hf_config``) saved with non-unit norms, so
+    any re-initialization shows."""
+    import transformers
+
+    from tests.support.user_modules import hf_config
+
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(hf_config("llama"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "pretrained")
+    return tmp_path / "pretrained"

@@ -92,21 +92,6 @@ def test_a_transformers_model_trains_as_one_process_on_every_layout(kind: str, l
         assert all(record["seen_seq_len"] == RUN.data.seq_len // cp for record in many)
 
 
-@pytest.fixture
-def pretrained(tmp_path: Path) -> Path:
-    """A tiny LlamaForCausalLM saved with non-unit norms, so any re-initialization shows."""
-    from tests.support.user_modules import hf_config
-
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(hf_config("llama"))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    model.save_pretrained(tmp_path / "pretrained")
-    return tmp_path / "pretrained"
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", ["dp2_tp2", "pp2_1f1b"])
 def test_from_pretrained_in_init_trains_as_plain_pytorch(layout: str, pretrained: Path, tmp_path: Path,

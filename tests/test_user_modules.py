@@ -94,19 +94,6 @@ def test_padded_labels_leave_a_transformers_loss_layout_independent(tmp_path: Pa
     assert two[0]["warnings"] == []
 
 
-@pytest.fixture
-def pretrained(tmp_path: Path) -> Path:
-    """A tiny LlamaForCausalLM saved with non-unit norms, so any re-initialization shows."""
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_SHAPE))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    model.save_pretrained(tmp_path / "pretrained")
-    return tmp_path / "pretrained"
-
-
 def test_weights_given_in_init_reach_training_unchanged(pretrained: Path, tmp_path: Path,
                                                         test_env: dict[str, str]) -> None:
     expected = weight_sums(transformers.LlamaForCausalLM.from_pretrained(pretrained))
