@@ -1,6 +1,8 @@
-"""The plan of a module that declares none and parallelizes nothing itself (a DDP-style LightningModule, a Hugging
-Face model): FSDP2/HSDP over its repeated blocks and then the whole module, initialized by its own initializers.
-Such a module can take data parallelism only; the last guard checks that no layout trains unsynchronized replicas."""
+"""Which plan a LightningModule is parallelized from (``plan_of``), and the plan of a module that declares none and
+parallelizes nothing itself (a DDP-style LightningModule, or one holding more than a transformers causal LM, which
+gets its own: ``hf_causal_lm``): FSDP2/HSDP over its repeated blocks and then the whole module, initialized by its
+own initializers. Such a module can take data parallelism only; the last guard checks that no layout trains
+unsynchronized replicas."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from titan_strategy.parallelize.materialize import materialize_with_own_initiali
 from titan_strategy.plan import ParallelPlan, PlannedModule
 
 __all__ = ["check_gradients_are_synchronized", "is_self_parallelized", "plain_plan", "plan_of"]
+
 
 def is_self_parallelized(module: nn.Module) -> bool:
     """Whether ``configure_model`` parallelized the module itself (ModelParallelStrategy style): it holds FSDP
