@@ -94,9 +94,10 @@ class CausalLM(L.LightningModule):
         return batch
 
     def _loss(self, batch: Batch) -> Tensor:
-        # transformers computes a loss only when given labels; shift_labels are what it compares against.
+        # transformers computes a loss only when given labels; shift_labels are what it compares against. Training
+        # keeps no key/value cache (transformers' default builds one, which compiled layers also recompile for).
         return self.model(input_ids=batch["input_ids"], labels=batch["shift_labels"],
-                          shift_labels=batch["shift_labels"]).loss
+                          shift_labels=batch["shift_labels"], use_cache=False).loss
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss = self._loss(batch)
