@@ -380,9 +380,9 @@ def _loss_without_logits(model: nn.Module) -> None:
     pending: dict[str, Tensor] = {}
 
     def remember_targets(causal_lm: nn.Module, args: tuple, kwargs: dict) -> None:
+        # Set on every call, so that a call that failed before the projection leaves nothing for the next one.
         labels, shifted = kwargs.get("labels"), kwargs.get("shift_labels")
-        if labels is not None or shifted is not None:
-            pending["targets"] = shifted if shifted is not None else next_token_labels(labels)
+        pending["targets"] = shifted if shifted is not None or labels is None else next_token_labels(labels)
 
     def project(hidden: Tensor) -> Tensor:
         targets = pending.pop("targets", None)
