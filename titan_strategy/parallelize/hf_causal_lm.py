@@ -123,6 +123,8 @@ def hf_causal_lm_plan(module: pl.LightningModule, model: nn.Module, dims: Parall
     if split:
         _use_causal_attention(model, cp=dims.cp)
     model.loss_function = functools.partial(_token_weighted_loss, module)
+    if dims.pp == 1:  # a pipeline stage runs its layers itself, with no cache
+        model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
     if dims.cp > 1:
         _cp_positions_and_labels(module, model)
     if family in _PLAIN_DECODERS:  # their forward hands the projection's output to the loss unchanged
@@ -139,6 +141,15 @@ def hf_causal_lm_plan(module: pl.LightningModule, model: nn.Module, dims: Parall
         if dims.cp > 1 else None,
         float8_skip=(_output_name(model),),
     )
+
+
+def _no_cache_in_training(causal_lm: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A training forward keeps no key/value cache unless the call asks for one: transformers' default
+    (``use_cache=True``) would hold every layer's keys and values to the step's end, and compiled layers recompile
+    for it."""
+    if causal_lm.training and kwargs.get("use_cache") is None:
+        kwargs = {**kwargs, "use_cache": False}
+    return args, kwargs
 
 
 def _refuse(model: nn.Module, degree: str, missing: str) -> None:
