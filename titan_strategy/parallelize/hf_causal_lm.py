@@ -225,16 +225,21 @@ class _TiedOutput(VocabularyParallelOutput):
         module.weight = self.embedding.weight
 
 
+_TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+"""The styles of transformers' ``base_model_tp_plan`` that map onto ours."""
+
+
 def _tensor_parallel(model: nn.Module, base: str, tied: bool) -> TensorParallelPlan:
+    """The config's ``base_model_tp_plan`` as our styles, plus the vocabulary-split embedding and output projection
+    and, under sequence parallelism, the norms and the gathers before the column-split projections."""
     config = model.config
     hf_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not hf_plan:
         _refuse(model, "tensor parallelism", "a base_model_tp_plan in its config")
-    styles_by_name = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norm"}
-    unknown = {pattern: style for pattern, style in hf_plan.items() if style not in styles_by_name}
+    unknown = {pattern: style for pattern, style in hf_plan.items() if style not in _TP_STYLES}
     if unknown:
         _refuse(model, "tensor parallelism", f"a TP style TitanStrategy maps for {unknown} (it maps "
-                f"{', '.join(styles_by_name)})")
+                f"{', '.join(_TP_STYLES)})")
     layer = model.get_submodule(repeated_blocks(model)[0])
     norms = [name for name, child in layer.named_children() if "norm" in type(child).__name__.lower()]
     gathered = sorted({pattern.rsplit(".", 2)[0] for pattern, style in hf_plan.items() if style == "colwise"})
@@ -261,8 +266,7 @@ def _tensor_parallel(model: nn.Module, base: str, tied: bool) -> TensorParallelP
                           else VocabularyParallelOutput(**vocabulary))
         if sequence_parallel:
             chosen[f"{base}norm"] = SequenceParallel()
-            chosen |= {f"{base}{layer_pattern}.{norm}": SequenceParallel() for norm in norms
-                       for layer_pattern in ("layers.*",)}
+            chosen |= {f"{base}layers.*.{norm}": SequenceParallel() for norm in norms}
             chosen |= {base + parent: _GatherSequence() for parent in gathered}
         return chosen
 
