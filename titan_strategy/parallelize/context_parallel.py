@@ -39,8 +39,8 @@ from titan_strategy.config.context_parallel import RotateMethod
 from titan_strategy.distributed import per_simulated_rank, simulating_ranks
 from titan_strategy.plan import ContextParallelPlan
 
-__all__ = ["SequenceSharder", "apply_cp", "check_cp_plan", "check_cp_sequence_length", "load_balanced_shard",
-           "ring_attention"]
+__all__ = ["SequenceSharder", "apply_cp", "check_cp_plan", "check_cp_sequence_length", "gather_sequence",
+           "load_balanced_shard", "ring_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,14 @@ def load_balanced_shard(tensor: Tensor, rank: int, size: int, dim: int) -> Tenso
     return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=dim)
 
 
+def gather_sequence(tensor: Tensor, mesh: DeviceMesh, dim: int) -> Tensor:
+    """``load_balanced_shard``'s inverse across the ``cp`` mesh: every rank gets the whole sequence, in order (no
+    autograd)."""
+    pairs = [torch.empty_like(tensor) for _ in range(mesh.size())]
+    dist.all_gather(pairs, tensor.contiguous(), group=mesh.get_group())
+    return _in_order(torch.cat(pairs, dim=dim), mesh.size(), dim)
+
+
 class SequenceSharder:
     """Cuts each batch and the plan's position-indexed buffers to this CP rank's tokens.
 
@@ -230,9 +238,7 @@ class SequenceSharder:
 
     def gather(self, tensor: Tensor, dim: int) -> Tensor:
         """The inverse of ``shard`` across the CP ranks: every rank gets the whole sequence, in order (no autograd)."""
-        pairs = [torch.empty_like(tensor) for _ in range(self._size)]
-        dist.all_gather(pairs, tensor.contiguous(), group=self.mesh.get_group())
-        return _in_order(torch.cat(pairs, dim=dim), self._size, dim)
+        return gather_sequence(tensor, self.mesh, dim)
 
     def sequence_length(self, batch: Any) -> int:
         if not isinstance(batch, Mapping):

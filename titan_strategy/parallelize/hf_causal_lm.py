@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -42,7 +41,7 @@ from torch.distributed.tensor.parallel import (
 from titan_strategy.config.mesh import ParallelDims
 from titan_strategy.kernels.linear_cross_entropy import linear_cross_entropy
 from titan_strategy.parallelize.blocks import repeated_blocks
-from titan_strategy.parallelize.context_parallel import load_balanced_shard
+from titan_strategy.parallelize.context_parallel import gather_sequence, load_balanced_shard
 from titan_strategy.parallelize.materialize import OwnInitializer, own_initializers, run_initializers
 from titan_strategy.parallelize.tensor_parallel import VocabularyParallelOutput
 from titan_strategy.plan import ContextParallelPlan, ParallelPlan, ParamFiller, PipelinePlan, TensorParallelPlan
@@ -372,14 +371,14 @@ def next_token_labels(labels: Tensor, cp_mesh: DeviceMesh | None = None) -> Tens
     """transformers' labels (each position's own token) as next-token targets: each position gets the next
     position's label, the last none (-100). Under context parallelism ``labels`` are this rank's two chunks of
     the sequence: they are gathered, shifted over the whole sequence, and this rank's chunks kept."""
+    def shifted(whole: Tensor) -> Tensor:
+        return F.pad(whole[..., 1:], (0, 1), value=IGNORE_INDEX)
+
     if cp_mesh is None or cp_mesh.size() == 1:
-        return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
-    size, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    pieces = [torch.empty_like(labels) for _ in range(size)]
-    dist.all_gather(pieces, labels.contiguous(), group=cp_mesh.get_group())
-    halves = [piece.chunk(2, dim=-1) for piece in pieces]
-    whole = torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=-1)
-    return load_balanced_shard(F.pad(whole[..., 1:], (0, 1), value=IGNORE_INDEX), rank, size, labels.dim() - 1)
+        return shifted(labels)
+    seq_dim = labels.dim() - 1
+    whole = shifted(gather_sequence(labels, cp_mesh, seq_dim))
+    return load_balanced_shard(whole, cp_mesh.get_local_rank(), cp_mesh.size(), seq_dim)
 
 
 # ---- the loss ---------------------------------------------------------------------------------------------------
